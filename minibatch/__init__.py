@@ -1,0 +1,15 @@
+"""minibatch: learn asynchronous continuous batching for LLM inference by building it.
+
+    import minibatch
+    model = minibatch.load_model("tiny")
+    outs = minibatch.generate(model, ["The for statement"], max_new_tokens=64)
+
+See README.md for the notebook map; each module's docstring says which notebook explains it.
+"""
+
+from .engine import generate
+from .model import Model, load_model
+from .timeline import Timeline
+
+__version__ = "0.1.0"
+__all__ = ["generate", "load_model", "Model", "Timeline", "__version__"]

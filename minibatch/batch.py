@@ -1,0 +1,116 @@
+"""From a batch plan to flat, ragged host tensors (notebook 01).
+
+The model sees one sequence of T tokens: all scheduled chunks of all requests laid end to end, no
+padding ("ragged" batch). For a plan with a 3-token prefill chunk of request A and one decode token
+each for B and C:
+
+    input_ids      a0 a1 a2 | b7 | c4        T = 5
+    positions       0  1  2 |  7 |  4        RoPE needs the true position in each request
+    q_seq           0  0  0 |  1 |  2        which chunk (row of the plan) each token belongs to
+    slot_mapping    where each token's key/value is written in the paged cache
+    logits_indices  2, 3, 4                  the last token of each chunk that samples
+
+Attention must not mix requests: token i may look at cached token j only if both belong to the same
+request and pos(j) <= pos(i). The keys to read are listed as `kv_indices` (cache slots, built from
+each request's block table) with their `kv_seq` and `kv_pos`; the attention function turns these
+into a mask on the device (model.py).
+
+Everything here is built on the host (CPU) as int64 tensors, then copied to the device in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .requests import Request
+from .scheduler import BatchPlan
+
+
+@dataclass
+class Batch:
+    """The tensors of one forward step. Same class on host and device (see `to`)."""
+
+    input_ids: torch.Tensor  # [T] token ids; 0 where the token is not known yet (async placeholder)
+    positions: torch.Tensor  # [T]
+    q_seq: torch.Tensor  # [T] chunk index of each token
+    slot_mapping: torch.Tensor  # [T] cache slot each token's K/V is written to
+    kv_indices: torch.Tensor  # [K] cache slots to read
+    kv_seq: torch.Tensor  # [K] chunk index of each slot read
+    kv_pos: torch.Tensor  # [K] position of each slot read
+    logits_indices: torch.Tensor  # [R] which of the T tokens produce a new token
+    temperature: torch.Tensor  # [R] float32 sampling parameters, one row per sampled token
+    top_k: torch.Tensor  # [R]
+    top_p: torch.Tensor  # [R] float32
+    seed: torch.Tensor  # [R]
+    counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sampled(self) -> int:
+        return self.logits_indices.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+    def pin_memory(self) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+
+def input_token(r: Request, pos: int) -> int:
+    """The token at position pos of r if the host knows it yet, else the placeholder 0."""
+    if pos < len(r.prompt):
+        return r.prompt[pos]
+    k = pos - len(r.prompt)
+    return r.output[k] if k < len(r.output) else 0
+
+
+def build_batch(plan: BatchPlan, cache: PagedKVCache) -> Batch:
+    """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K."""
+    ids, pos, qseq, slots, logits_idx = [], [], [], [], []
+    samp: list[tuple] = []
+    for i, c in enumerate(plan.chunks):
+        r = c.request
+        ids.extend(input_token(r, p) for p in range(c.start, c.end))
+        pos.extend(range(c.start, c.end))
+        qseq.extend([i] * c.num_tokens)
+        slots.extend(cache.slots(r.blocks, c.start, c.end))
+        if c.sample:
+            logits_idx.append(len(ids) - 1)
+            s = r.sampling
+            samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
+
+    # keys to read: for chunk i, every token 0..end-1 of its request, found through its block table
+    ends = torch.tensor([c.end for c in plan.chunks], dtype=torch.int64)
+    max_blocks = max(len(c.request.blocks) for c in plan.chunks)
+    tables = torch.zeros(len(plan.chunks), max_blocks, dtype=torch.int64)
+    for i, c in enumerate(plan.chunks):
+        tables[i, : len(c.request.blocks)] = torch.tensor(c.request.blocks)
+    kv_seq = torch.repeat_interleave(torch.arange(len(plan.chunks)), ends)
+    starts = torch.cumsum(ends, 0) - ends
+    kv_pos = torch.arange(int(ends.sum())) - torch.repeat_interleave(starts, ends)
+    bs = cache.block_size
+    kv_indices = tables[kv_seq, kv_pos // bs] * bs + kv_pos % bs
+
+    temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
+    i64 = torch.int64
+    return Batch(
+        input_ids=torch.tensor(ids, dtype=i64),
+        positions=torch.tensor(pos, dtype=i64),
+        q_seq=torch.tensor(qseq, dtype=i64),
+        slot_mapping=torch.tensor(slots, dtype=i64),
+        kv_indices=kv_indices,
+        kv_seq=kv_seq,
+        kv_pos=kv_pos,
+        logits_indices=torch.tensor(logits_idx, dtype=i64),
+        temperature=torch.tensor(temp, dtype=torch.float32),
+        top_k=torch.tensor(topk, dtype=i64),
+        top_p=torch.tensor(topp, dtype=torch.float32),
+        seed=torch.tensor(seed, dtype=i64),
+        counter=torch.tensor(counter, dtype=i64),
+    )

@@ -1,0 +1,120 @@
+"""`minibatch.generate`: check the input, set up cache and scheduler, run a loop (notebook 01).
+
+The sync and async loops share everything here; `mode` only picks which loop runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .model import Model
+from .requests import Request, SamplingParams
+from .scheduler import Scheduler
+from .timeline import Timeline
+
+MODES = ("sync", "async")
+
+
+def _as_token_lists(prompts, model: Model) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of prompts (each a list of token ids or a string), "
+                        f"got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but model {model.name!r} has no tokenizer: "
+                                 "pass token ids instead")
+            p = list(model.tokenizer.encode(p))
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise TypeError(f"prompt {i} must be a string or a list of int token ids")
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in p if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {model.vocab_size})")
+        out.append(list(p))
+    return out
+
+
+def generate(
+    model: Model,
+    prompts,
+    max_new_tokens: int = 64,
+    mode: str = "sync",
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    timeline: Timeline | None = None,
+    max_batch_size: int = 32,
+    max_batch_tokens: int = 256,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Continue every prompt; return the new tokens of each, in prompt order.
+
+    Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
+    on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
+    `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
+    fit it); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
+    longest requests).
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if max_batch_tokens < max_batch_size:
+        raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
+                         "every running request needs room for its decode token")
+    token_lists = _as_token_lists(prompts, model)
+    if eos_token_id is not None and not 0 <= eos_token_id < model.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {model.vocab_size})")
+    limit = model.max_positions
+    for i, p in enumerate(token_lists):
+        if limit and len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
+                             f"exceed the model's {limit} positions")
+    requests = [
+        Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id)
+        for i, p in enumerate(token_lists)
+    ]
+    if num_blocks is None:
+        need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
+        num_blocks = sum(need[:max_batch_size])
+    cache = model.make_cache(num_blocks, block_size)
+    scheduler = Scheduler(cache.allocator, max_batch_tokens, max_batch_size)
+    for r in requests:
+        scheduler.add(r)
+    timeline = timeline if timeline is not None else Timeline()
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
+
+    def on_step(plan, done):
+        if bar is not None and done:
+            bar.update(len(done))
+
+    try:
+        if mode == "sync":
+            from .sync_loop import run_sync
+            run_sync(model, scheduler, cache, timeline, on_step)
+        else:
+            raise NotImplementedError("mode='async' is built in notebook 06 and not implemented yet")
+    finally:
+        if bar is not None:
+            bar.close()
+    assert cache.allocator.num_free == cache.allocator.num_blocks, "KV blocks leaked"
+    return [r.output for r in requests]

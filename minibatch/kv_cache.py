@@ -1,0 +1,105 @@
+"""Paged KV cache: a pool of fixed-size blocks, one block table per request (notebook 01).
+
+The keys and values of every token of every running request live in one big tensor per layer,
+cut into blocks of `block_size` token slots. A request owns a list of blocks (its *block table*);
+token number t of that request lives in slot
+
+    block_table[t // block_size] * block_size + t % block_size
+
+so requests of any length share the pool without padding and without copying when they grow.
+
+    pool (num_blocks = 6, block_size = 4)      block tables
+    ┌────┬────┬────┬────┬────┬────┐┌────┐
+    │ b0 │ b1 │ b2 │ b3 │ b4 │ b5 ││ b6 │     request 0: [b2, b0]   (7 tokens)
+    └────┴────┴────┴────┴────┴────┘└────┘     request 1: [b4]       (3 tokens)
+                                   scratch   free: b1, b3, b5
+
+The block *allocator* is host-side bookkeeping (plain Python lists). The *storage* is device
+memory that only the attention function (model.py) reads and writes. One extra scratch block past
+the end of the pool absorbs writes from padding tokens, so padded batches never touch a real
+request's cache.
+
+Policy (a teaching choice, see README "Design decisions"): a request gets all the blocks it can
+ever need (prompt + max_new_tokens) when it is admitted. Nothing ever needs to be preempted, and a
+request that could never fit is rejected up front. Production engines (vLLM, SGLang) allocate one
+block at a time and preempt when the pool runs dry; they fit more requests, at the cost of
+recomputation when they guess wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when more blocks are asked for than are free."""
+
+
+class BlockAllocator:
+    """Hands out block ids from a free list; checks that no block is ever owned twice."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._owned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} KV blocks, only {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        assert self._owned.isdisjoint(blocks), "a KV block was handed out twice"
+        self._owned.update(blocks)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._owned:
+                raise RuntimeError(f"KV block {b} freed but not owned (double free?)")
+            self._owned.remove(b)
+            self._free.append(b)
+
+
+class PagedKVCache:
+    """Device storage: per layer one key and one value tensor of shape [slots, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_slots = (num_blocks + 1) * block_size  # + the scratch block
+        self.scratch_slot = num_blocks * block_size
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    def slot(self, block_table: list[int], t: int) -> int:
+        """Physical slot of token number t of a request with this block table."""
+        return block_table[t // self.block_size] * self.block_size + t % self.block_size
+
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[t // bs] * bs + t % bs for t in range(start, end)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

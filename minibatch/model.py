@@ -1,0 +1,229 @@
+"""Loading a transformers causal LM and plugging the paged KV cache into it (notebook 00).
+
+We do not touch the model's architecture or kernels. transformers looks up each attention layer's
+implementation by name in `AttentionInterface`; we register one more name, "minibatch_paged", whose
+function receives the layer's query/key/value *after* RoPE, and
+
+  1. writes the new keys/values into our paged cache at `slot_mapping`,
+  2. reads the keys/values this batch needs (`kv_indices`, from the block tables),
+  3. runs scaled-dot-product attention over the ragged batch with a mask that keeps each token to
+     its own request and to positions at or before its own (and inside the sliding window, if any).
+
+The batch's metadata reaches the attention function as an extra keyword argument of the model's
+forward (`minibatch=...`); transformers passes unknown keyword arguments down to every attention
+call. Without it, the function falls back to transformers' own SDPA attention, so a loaded model
+still works with Hugging Face `generate` (the parity tests rely on this).
+
+Built-in names for `load_model`:
+  "tiny"                 a small byte-level Llama trained on Python's own help text (ships in the repo)
+  "random-llama" / "random-qwen2" / "random-qwen3" / "random-mistral"   tiny random-weight configs
+  "llama3-8b-shape", "llama3-1b-shape", "qwen3-0.6b-shape"             random weights, real shapes (GPU)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .batch import Batch
+from .kv_cache import PagedKVCache
+from .sampling import sample
+
+ATTN_NAME = "minibatch_paged"
+TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+
+_TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
+    "random-llama": ("LlamaConfig", _TINY_SHAPE),
+    "random-qwen2": ("Qwen2Config", _TINY_SHAPE),
+    "random-qwen3": ("Qwen3Config", {**_TINY_SHAPE, "head_dim": 16}),
+    "random-mistral": ("MistralConfig", {**_TINY_SHAPE, "sliding_window": 4096}),
+    # real shapes with random weights, for timing on a GPU (weights are never downloaded)
+    "llama3-8b-shape": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                            max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama3-1b-shape": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                            max_position_embeddings=8192, tie_word_embeddings=True)),
+    "qwen3-0.6b-shape": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                             head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True)),
+}
+
+
+@dataclass
+class PagedMeta:
+    """What the attention function needs besides q/k/v: the cache and this batch's index tensors."""
+
+    cache: PagedKVCache
+    batch: Batch
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[1, 1, T, K] bool: may token t attend to cached slot k? Built once per forward, shared by layers."""
+        if sliding_window not in self._masks:
+            b = self.batch
+            q_pos, k_pos = b.positions[:, None], b.kv_pos[None, :]
+            m = (b.q_seq[:, None] == b.kv_seq[None, :]) & (k_pos <= q_pos)
+            if sliding_window:
+                m &= q_pos - k_pos < sliding_window
+            self._masks[sliding_window] = m[None, None]
+        return self._masks[sliding_window]
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    meta: PagedMeta | None = kwargs.get("minibatch")
+    if meta is None:  # a plain transformers call (e.g. HF generate): behave like SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
+    slots = meta.batch.slot_mapping
+    k_cache.index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
+    v_cache.index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    keys = k_cache.index_select(0, meta.batch.kv_indices).transpose(0, 1)[None]  # [1, kv_heads, K, head_dim]
+    values = v_cache.index_select(0, meta.batch.kv_indices).transpose(0, 1)[None]
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=meta.mask(window), scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], no attention weights
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)  # masks for the HF-generate fallback path
+
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto'/None -> cuda if available else cpu; anything else must be a valid, present device."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'") from e
+    if dev.type not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
+    return dev
+
+
+@dataclass
+class Model:
+    """A transformers causal LM set up for minibatch: paged attention, eval mode, one device."""
+
+    hf: PreTrainedModel
+    device: torch.device
+    tokenizer: Any = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        cfg = self.hf.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.dtype = next(self.hf.parameters()).dtype
+
+    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
+                            device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """One forward pass over a device batch -> [R, vocab] logits of the sampling positions."""
+        out = self.hf(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.positions[None],
+            logits_to_keep=batch.logits_indices,
+            use_cache=False,
+            minibatch=PagedMeta(cache, batch),
+        )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """Forward + sample, all on the device -> [R] int64 next tokens."""
+        logits = self.logits(batch, cache)
+        return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
+
+
+def _random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    cls_name, kwargs = RANDOM_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    with device:  # build directly on the device: an 8B model never passes through host memory
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_model(
+    name_or_model: str | os.PathLike | PreTrainedModel,
+    device: str | torch.device | None = "auto",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Model:
+    """Load a causal LM for minibatch.
+
+    name_or_model: "tiny" (built in, no download), a name from RANDOM_CONFIGS, a local folder or hub
+    id for `from_pretrained`, or an already-built transformers model. dtype defaults to float32 on
+    the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16).
+    """
+    dev = resolve_device(device)
+    if dtype is None:
+        dtype = torch.float32
+        if dev.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    tokenizer = None
+    if isinstance(name_or_model, PreTrainedModel):
+        hf, name = name_or_model.to(device=dev, dtype=dtype), type(name_or_model).__name__
+    elif isinstance(name_or_model, (str, os.PathLike)):
+        name = str(name_or_model)
+        if name in RANDOM_CONFIGS:
+            hf = _random_model(name, dev, dtype, seed)
+        else:
+            path = TINY_DIR if name == "tiny" else name
+            if name == "tiny" or os.path.isdir(path) or "/" in name:
+                hf = _from_pretrained(path, dev, dtype)
+            else:
+                known = ", ".join(["tiny", *RANDOM_CONFIGS])
+                raise ValueError(f"unknown model {name!r}: not a built-in name ({known}), a local folder "
+                                 "or a hub id of the form 'org/name'")
+            if name == "tiny":
+                from .tokenizer import ByteTokenizer
+                tokenizer = ByteTokenizer()
+            else:
+                tokenizer = _try_tokenizer(path)
+    else:
+        raise TypeError(f"load_model takes a name, a path or a transformers PreTrainedModel, "
+                        f"not {type(name_or_model).__name__}")
+    hf.eval()
+    hf.set_attn_implementation(ATTN_NAME)
+    return Model(hf, dev, tokenizer, name)
+
+
+def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev)
+    except OSError as e:
+        raise ValueError(f"could not load model {str(path)!r}: {e}") from e
+
+
+def _try_tokenizer(path):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None  # token-id prompts still work

@@ -1,0 +1,66 @@
+"""Choosing the next token, on the device (notebook 01).
+
+`sample(logits, temperature, top_k, top_p, seed, counter)` takes one row of logits per request that
+samples this step and returns one token id per row, without leaving the device: no `.item()`, no
+Python branch on tensor values, fixed shapes, so the same code can later be captured in a CUDA graph.
+
+Greedy rows (temperature 0) take the argmax. Other rows use the Gumbel-max trick: add noise
+-log(-log(u)) to the (temperature-scaled, top-k/top-p filtered) logits and take the argmax; this
+draws exactly from the softmax distribution. The uniform numbers u come from a counter-based hash of
+(request seed, index of the token within the request, vocabulary id) instead of a global generator,
+so a request's random numbers do not depend on which other requests share its batch, or on the
+order in which batches run. That is what lets the sync and async loops, whose batches differ, give
+the same sampled tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values < 2**32.
+
+    Constants are below 2**31 so that every product stays below 2**63: no int64 overflow on any device.
+    """
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & _M32
+    return h ^ (h >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] float32 uniforms in (0, 1), a pure function of (seed[r], counter[r], v)."""
+    key = _mix32(_mix32(seed & _M32) ^ ((counter * 0x2545F491) & _M32))  # [R]
+    v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    h = _mix32(key[:, None] ^ ((v[None, :] * 0x27D4EB2D) & _M32))  # [R, V]
+    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+) -> torch.Tensor:
+    """[R, V] logits -> [R] int64 token ids. Rows with temperature 0 are greedy."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    # sampled path, computed for every row (fixed shapes, no data-dependent branches)
+    scaled = logits / temperature.clamp_min(1e-5)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])  # top-k: keep the k largest
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # top-p: keep the smallest prefix whose mass reaches p
+    drop |= mass_before >= top_p[:, None]
+    noise = uniform_noise(seed, counter, logits.shape[-1]).gather(-1, order)
+    gumbel = -torch.log(-torch.log(noise))
+    choice = (sorted_logits + gumbel).masked_fill(drop, float("-inf")).argmax(dim=-1)
+    sampled = order.gather(-1, choice[:, None]).squeeze(-1)
+    return torch.where(temperature > 0, sampled, greedy)

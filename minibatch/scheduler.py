@@ -1,0 +1,152 @@
+"""The CPU side of continuous batching: who runs in the next step, and how many tokens each (notebook 01).
+
+Every step the scheduler
+
+  1. gives each DECODING request one token (its last sampled token goes back in),
+  2. continues PREFILLING requests with the next chunk of their prompt,
+  3. admits WAITING requests, first come first served, while there is room,
+
+all under two limits: `max_batch_tokens` (the token budget: how many tokens one forward pass may
+process) and `max_batch_size` (how many requests may run at once). A long prompt is cut into chunks
+that fit what is left of the budget ("chunked prefill"), so one big prompt never stalls the decoding
+requests. Prefill chunks and decode tokens share one ragged batch ("mixed batches").
+
+The scheduler advances its bookkeeping (`num_computed`, `num_sampled`) when it *plans* a step, not
+when the step's results come back. The synchronous loop calls `update` before the next `schedule`,
+so the difference does not show. The asynchronous loop (notebook 06) plans step N+1 before step N's
+tokens are back: a request that will reach `max_new_tokens` is known in advance and not planned
+again, but one that hits EOS in step N may already sit in step N+1; `update` then drops its extra
+token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import BlockAllocator
+from .requests import Request, RequestState
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Request `request` processes its tokens start..end-1 in this step; `sample` = a new token comes out."""
+
+    request: Request
+    start: int
+    end: int
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class BatchPlan:
+    step: int
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.sample]
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_batch_tokens: int, max_batch_size: int) -> None:
+        if max_batch_tokens < 1 or max_batch_size < 1:
+            raise ValueError(
+                f"max_batch_tokens and max_batch_size must be >= 1, got {max_batch_tokens}, {max_batch_size}"
+            )
+        self.allocator = allocator
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted, not finished, in admission order
+        self.finished: list[Request] = []
+        self.step = 0
+
+    def add(self, request: Request) -> None:
+        need = self.allocator.blocks_for(request.max_len)
+        if need > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {request.rid} needs {request.max_len} tokens of KV cache ({need} blocks) but the "
+                f"cache only has {self.allocator.num_blocks} blocks of {self.allocator.block_size}: it could never run"
+            )
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_unplanned_work(self) -> bool:
+        """Is there anything a new step could do? (False while only in-flight tokens are pending.)"""
+        return bool(self.waiting) or any(self._wants_tokens(r) for r in self.running)
+
+    @staticmethod
+    def _wants_tokens(r: Request) -> bool:
+        if r.state == RequestState.PREFILLING:
+            return True
+        return r.state == RequestState.DECODING and r.num_sampled < r.max_new_tokens
+
+    def schedule(self) -> BatchPlan:
+        """Plan the next step and advance the bookkeeping as if it had already run."""
+        budget = self.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        # 1. decoding requests first: one token each, so ongoing generations never stall
+        for r in self.running:
+            if r.state == RequestState.DECODING and r.num_sampled < r.max_new_tokens and budget > 0:
+                chunks.append(ScheduledChunk(r, r.num_computed, r.num_computed + 1, True))
+                budget -= 1
+        # 2. requests in the middle of their prompt
+        for r in self.running:
+            if r.state == RequestState.PREFILLING and budget > 0:
+                chunks.append(self._prefill_chunk(r, budget))
+                budget -= chunks[-1].num_tokens
+        # 3. admit newcomers while there is budget, a free seat and enough KV blocks
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            r = self.waiting[0]
+            need = self.allocator.blocks_for(r.max_len)
+            if need > self.allocator.num_free:
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            r.blocks = self.allocator.allocate(need)
+            r.state = RequestState.PREFILLING
+            self.running.append(r)
+            chunks.append(self._prefill_chunk(r, budget))
+            budget -= chunks[-1].num_tokens
+        for c in chunks:
+            c.request.num_computed = c.end
+            if c.sample:
+                c.request.num_sampled += 1
+                c.request.state = RequestState.DECODING
+        plan = BatchPlan(self.step, chunks)
+        self.step += 1
+        return plan
+
+    @staticmethod
+    def _prefill_chunk(r: Request, budget: int) -> ScheduledChunk:
+        end = min(len(r.prompt), r.num_computed + budget)
+        return ScheduledChunk(r, r.num_computed, end, sample=end == len(r.prompt))
+
+    def update(self, plan: BatchPlan, sampled: list[int]) -> list[Request]:
+        """Hand each sampled token to its request; retire the finished. Returns newly finished requests."""
+        sampling = plan.sampling_chunks
+        if len(sampled) != len(sampling):
+            raise RuntimeError(f"step {plan.step}: {len(sampling)} tokens expected, {len(sampled)} came back")
+        done = []
+        for chunk, token in zip(sampling, sampled):
+            r = chunk.request
+            if r.state == RequestState.FINISHED:
+                continue  # async only: it hit EOS one step earlier; this token is past its end
+            r.append_token(int(token))
+            if r.state == RequestState.FINISHED:
+                done.append(r)
+        for r in done:
+            self.allocator.free(r.blocks)
+            self.running.remove(r)
+            self.finished.append(r)
+        return done
