@@ -216,10 +216,15 @@ def load_model(
 
 
 def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # keep notebook output deterministic
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev)
     except OSError as e:
         raise ValueError(f"could not load model {str(path)!r}: {e}") from e
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _try_tokenizer(path):

@@ -1,0 +1,129 @@
+"""Command line: `python -m minibatch demo` (the main job) and `python -m minibatch bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEMO_PROMPTS = [
+    "The for statement",
+    "A class definition",
+    "Exceptions are raised",
+    "The import system",
+    "Assignment statements",
+    "A string literal",
+]
+
+
+def _modes(arg: str) -> list[str]:
+    from .engine import MODES
+    modes = [m for m in arg.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"error: unknown mode {m!r} in --modes (choose from {', '.join(MODES)})")
+    return modes
+
+
+def demo(args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import bench
+    from .model import load_model
+
+    model = load_model(args.model, device=args.device)
+    tok = model.tokenizer
+    print(f"model {model.name!r} on {model.device} ({model.dtype}), {len(DEMO_PROMPTS)} prompts, "
+          f"{args.max_new_tokens} new tokens each\n")
+    prompts = [tok.encode(p) for p in DEMO_PROMPTS]
+    kw = dict(eos_token_id=tok.eos_token_id, max_batch_size=4, max_batch_tokens=32)
+    results, timelines, outs = [], [], None
+    for mode in args.modes:
+        r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
+        results.append(r), timelines.append(tl)
+        if outs is not None and o != outs:
+            raise SystemExit(f"error: mode {mode} gave different tokens than {args.modes[0]}")
+        outs = o
+    for p, o in zip(DEMO_PROMPTS, outs):
+        print(f"  {p!r} -> {tok.decode(o)!r}")
+    print()
+    print(bench.format_table(results))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 2.4 * len(timelines)), squeeze=False)
+    for ax, r, tl in zip(axes[:, 0], results, timelines):
+        tl.plot(ax=ax, title=f"{r.mode}: device busy {r.device_busy:.0%}, {r.tokens_per_s:.0f} tok/s")
+    fig.tight_layout()
+    fig.savefig(out / "demo_timeline.png", dpi=110)
+    timelines[0].to_chrome_trace(out / "demo_trace.json")
+    print(f"\nwrote {out / 'demo_timeline.png'} (timeline) and {out / 'demo_trace.json'} (open in ui.perfetto.dev)")
+
+
+def bench_cmd(args) -> None:
+    from . import bench
+    from .model import load_model
+
+    model = load_model(args.model, device=args.device)
+    prompts = bench.random_prompts(args.num_prompts, args.prompt_len, model.vocab_size, args.seed)
+    workload = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+                    max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+    kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+              progress=not args.no_progress)
+    if args.warmup:
+        bench.run_mode(model, prompts[: min(4, len(prompts))], args.modes[0], 4,
+                       max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+    results, outs = [], {}
+    for mode in args.modes:
+        r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
+        results.append(r)
+        outs[mode] = o
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            tl.save(Path(args.out) / f"timeline_{mode}.json")
+    print(json.dumps(bench.environment(model)))
+    print(bench.format_table(results))
+    if len(outs) > 1:
+        same = all(o == outs[args.modes[0]] for o in outs.values())
+        print(f"tokens identical across modes: {same}")
+    if args.out:
+        bench.save_json(Path(args.out) / "bench.json", model, results, workload)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="the tiny model continues a few prompts; table + timeline figure")
+    d.add_argument("--model", default="tiny")
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    d.add_argument("--modes", type=_modes, default=["sync"], help="comma-separated: sync,async")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--out", default=os.environ.get("MINIBATCH_OUT", "out"), help="folder for figure and trace")
+    d.set_defaults(func=demo)
+    b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")
+    b.add_argument("--model", default="tiny")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--modes", type=_modes, default=["sync"])
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--prompt-len", type=int, default=64)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--max-batch-size", type=int, default=32)
+    b.add_argument("--max-batch-tokens", type=int, default=512)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", action="store_true", help="one short untimed run first")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--out", default=None, help="folder for bench.json and timelines")
+    b.set_defaults(func=bench_cmd)
+    args = p.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

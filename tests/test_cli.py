@@ -1,0 +1,35 @@
+"""The command line: the demo (the README's main job) and bench run end to end; bad flags get clear errors."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "minibatch", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_demo_writes_table_and_figure(tmp_path):
+    r = run("demo", "--device", "cpu", "--max-new-tokens", "6", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stdout and "sync" in r.stdout
+    assert (tmp_path / "demo_timeline.png").stat().st_size > 5000
+    assert json.load(open(tmp_path / "demo_trace.json"))["traceEvents"]
+
+
+def test_bench_writes_json(tmp_path):
+    r = run("bench", "--model", "random-llama", "--device", "cpu", "--num-prompts", "3", "--prompt-len", "5",
+            "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    data = json.load(open(tmp_path / "bench.json"))
+    res = data["results"][0]
+    assert res["mode"] == "sync" and res["new_tokens"] == 12 and 0 < res["device_busy"] <= 1
+    assert data["environment"]["torch"]
+
+
+def test_bad_flags_are_named():
+    r = run("demo", "--modes", "turbo")
+    assert r.returncode != 0 and "unknown mode 'turbo'" in r.stderr
+    r = run("bench", "--model", "gpt-17", "--device", "cpu")
+    assert r.returncode == 2 and "unknown model 'gpt-17'" in r.stderr

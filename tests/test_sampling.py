@@ -1,0 +1,50 @@
+"""Device sampling: greedy = argmax, seeded sampling reproducible and independent of the batch."""
+
+import torch
+
+import minibatch
+from minibatch.sampling import sample, uniform_noise
+
+
+def _params(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, counter=None):
+    return (torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p),
+            torch.arange(n) if seed is None else seed, torch.zeros(n, dtype=torch.long) if counter is None else counter)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(6, 50)
+    assert torch.equal(sample(logits, *_params(6, temperature=0.0)), logits.argmax(-1))
+
+
+def test_noise_depends_only_on_seed_and_counter():
+    a = uniform_noise(torch.tensor([5, 7, 5]), torch.tensor([3, 3, 3]), 100)
+    assert torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
+    assert (a > 0).all() and (a < 1).all()
+
+
+def test_top_k_1_is_greedy():
+    logits = torch.randn(8, 40)
+    assert torch.equal(sample(logits, *_params(8, top_k=1)), logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 4)
+    assert sample(logits, *_params(4, top_p=0.01)).tolist() == [0, 0, 0, 0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    n = 4000
+    toks = sample(probs.log().expand(n, 3), *_params(n, counter=torch.arange(n)))
+    freq = torch.bincount(toks, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_seeded_generate_is_reproducible_and_batch_independent(random_llama):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]
+    kw = dict(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    a = minibatch.generate(random_llama, prompts, **kw)
+    b = minibatch.generate(random_llama, prompts, max_batch_size=1, max_batch_tokens=4, **kw)
+    assert a == b
+    c = minibatch.generate(random_llama, prompts, **{**kw, "seed": 12})
+    assert c != a
