@@ -70,8 +70,14 @@ def input_token(r: Request, pos: int) -> int:
     return r.output[k] if k < len(r.output) else 0
 
 
-def build_batch(plan: BatchPlan, cache: PagedKVCache) -> Batch:
-    """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K."""
+def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1) -> Batch:
+    """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K.
+
+    kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch slot, which no
+    query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
+    every step: cuDNN attention builds a new plan for every new shape, measured at ~0.1-1 s each on
+    an H200 (BENCHMARKS.md, foundation run).
+    """
     ids, pos, qseq, slots, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
     for i, c in enumerate(plan.chunks):
@@ -96,6 +102,11 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache) -> Batch:
     kv_pos = torch.arange(int(ends.sum())) - torch.repeat_interleave(starts, ends)
     bs = cache.block_size
     kv_indices = tables[kv_seq, kv_pos // bs] * bs + kv_pos % bs
+    pad = -len(kv_indices) % kv_bucket
+    if pad:
+        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_slot)])
+        kv_seq = torch.cat([kv_seq, torch.full((pad,), -1)])
+        kv_pos = torch.cat([kv_pos, torch.zeros(pad, dtype=torch.int64)])
 
     temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
     i64 = torch.int64

@@ -54,7 +54,7 @@ def generate(
     seed: int = 0,
     eos_token_id: int | None = None,
     timeline: Timeline | None = None,
-    max_batch_size: int = 32,
+    max_batch_size: int | None = None,
     max_batch_tokens: int = 256,
     block_size: int = 16,
     num_blocks: int | None = None,
@@ -65,7 +65,7 @@ def generate(
     Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
     on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
     `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
-    fit it); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
+    fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens)); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
     longest requests).
     """
     if not isinstance(model, Model):
@@ -74,6 +74,8 @@ def generate(
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if max_batch_size is None:
+        max_batch_size = min(32, max_batch_tokens)
     if max_batch_tokens < max_batch_size:
         raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
                          "every running request needs room for its decode token")

@@ -138,6 +138,8 @@ class Model:
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.dtype = next(self.hf.parameters()).dtype
+        # pad the attention's key list to a multiple of this (batch.py says why); CPUs gain nothing
+        self.kv_bucket = 256 if self.device.type == "cuda" else 1
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,

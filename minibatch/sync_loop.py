@@ -42,7 +42,7 @@ def run_sync(model: Model, scheduler: Scheduler, cache: PagedKVCache, timeline: 
             if not plan.chunks:
                 raise RuntimeError("the scheduler planned an empty step while requests are waiting: "
                                    "no request can be admitted (is the KV cache too small?)")
-            host = build_batch(plan, cache)
+            host = build_batch(plan, cache, model.kv_bucket)
         with timeline.span("H2D", "H2D", step):
             batch = host.to(dev)
             _sync(dev)

@@ -78,3 +78,14 @@ def test_greedy_matches_hf_generate_on_gpu(arch):
         ref = model.hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert o == ref
+
+
+def test_padded_key_list_gives_the_same_tokens(random_llama):
+    prompts = prompts_of([5, 23, 41], random_llama.vocab_size, seed=4)
+    plain = minibatch.generate(random_llama, prompts, max_new_tokens=6, max_batch_tokens=16)
+    random_llama.kv_bucket = 64
+    try:
+        padded = minibatch.generate(random_llama, prompts, max_new_tokens=6, max_batch_tokens=16)
+    finally:
+        random_llama.kv_bucket = 1
+    assert padded == plain
