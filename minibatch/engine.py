@@ -59,6 +59,7 @@ def generate(
     block_size: int = 16,
     num_blocks: int | None = None,
     progress: bool = False,
+    timeout: float | None = 600.0,
 ) -> list[list[int]]:
     """Continue every prompt; return the new tokens of each, in prompt order.
 
@@ -66,7 +67,8 @@ def generate(
     on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
     `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
     fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens)); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
-    longest requests).
+    longest requests). `timeout` bounds every host wait on the device (seconds): a device that
+    stops making progress raises instead of hanging.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
@@ -109,12 +111,21 @@ def generate(
         if bar is not None and done:
             bar.update(len(done))
 
+    from .device import get_device
+    from .slots import IOSlot
+
     try:
-        if mode == "sync":
-            from .sync_loop import run_sync
-            run_sync(model, scheduler, cache, timeline, on_step)
-        else:
-            raise NotImplementedError("mode='async' is built in notebook 06 and not implemented yet")
+        with get_device(str(model.device), timeline) as dev:
+            streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
+            max_keys = num_blocks * block_size + model.kv_bucket
+            slots = [IOSlot(dev, i, max_batch_tokens, max_keys, max_batch_size, model.device)
+                     for i in range(2 if mode == "async" else 1)]
+            if mode == "sync":
+                from .sync_loop import run_sync as loop
+            else:
+                from .async_loop import run_async as loop
+            loop(model, scheduler, cache, timeline, dev, streams, slots, on_step, timeout)
+            dev.flush_timeline()
     finally:
         if bar is not None:
             bar.close()

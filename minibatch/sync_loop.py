@@ -11,47 +11,34 @@ device (H2D), the model runs and samples (compute), the new tokens come back (D2
 scheduler hands them to their requests (update). While one side works the other waits; the
 asynchronous loop (notebook 06) removes most of that waiting.
 
-Spans are timed on the host clock; on a GPU the loop synchronizes after each stage so that every
-span covers its stage's device work (it waits for the device at each stage anyway, being synchronous).
+The loop runs on the device layer (notebooks 02-03): the three device stages are launched on three
+streams chained by events, and the host waits for the last event before it updates. It uses one IO
+slot; `async_loop.py` shares all of this and differs only in the loop itself.
 """
 
 from __future__ import annotations
 
-import torch
-
 from .batch import build_batch
-from .kv_cache import PagedKVCache
-from .model import Model
-from .scheduler import Scheduler
-from .timeline import Timeline
+from .slots import IOSlot, launch_step
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_sync(model: Model, scheduler: Scheduler, cache: PagedKVCache, timeline: Timeline,
-             on_step=None) -> None:
+def run_sync(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlot], on_step=None,
+             timeout: float | None = None) -> None:
     """Run until every request has finished. `on_step(plan, newly_finished)` is called after each step."""
-    dev = model.device
+    slot = slots[0]
     while scheduler.has_work():
         step = scheduler.step
-        with timeline.span("CPU", "prepare", step):
+        with timeline.span("CPU", "prepare", step, slot.index):
             plan = scheduler.schedule()
             if not plan.chunks:
                 raise RuntimeError("the scheduler planned an empty step while requests are waiting: "
                                    "no request can be admitted (is the KV cache too small?)")
-            host = build_batch(plan, cache, model.kv_bucket)
-        with timeline.span("H2D", "H2D", step):
-            batch = host.to(dev)
-            _sync(dev)
-        with timeline.span("compute", "compute", step):
-            tokens = model.step(batch, cache)
-            _sync(dev)
-        with timeline.span("D2H", "D2H", step):
-            sampled = tokens.cpu().tolist()
-        with timeline.span("CPU", "update", step):
-            done = scheduler.update(plan, sampled)
+            slot.load(build_batch(plan, cache, model.kv_bucket), [])
+        launch_step(model, cache, streams, slot, None, step)
+        with timeline.span("CPU", "wait", step, slot.index):
+            slot.d2h_done.synchronize(timeout)
+        with timeline.span("CPU", "update", step, slot.index):
+            done = scheduler.update(plan, slot.sampled())
         if on_step is not None:
             on_step(plan, done)
+    dev.synchronize(timeout)

@@ -49,7 +49,7 @@ def test_sync_run_records_every_stage(random_llama):
     tl = Timeline()
     minibatch.generate(random_llama, [[1, 2, 3], [4, 5]], max_new_tokens=4, timeline=tl)
     names = {s.name for s in tl.spans}
-    assert names == {"prepare", "H2D", "compute", "D2H", "update"}
+    assert names == {"prepare", "H2D", "compute", "D2H", "wait", "update"}
     assert 0 < tl.device_busy() <= 1
     steps = {s.step for s in tl.spans}
     assert steps == set(range(4))  # one prefill step (both prompts) + three decode steps

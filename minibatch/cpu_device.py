@@ -1,0 +1,373 @@
+"""The `cpu` backend of the device layer: an emulated device whose streams really run (notebooks 02, 03).
+
+Each stream is a worker thread that runs the work launched on it, in order, while the host thread
+goes on with its own work. Streams run concurrently with each other and with the host, so overlap
+and races are real, not drawn:
+
+    host     launch H2D, launch compute, … ──── prepare batch N+1 (Python) ──── sync(d2h_done)
+    H2D      █copy█ ●h2d_done
+    compute         ╎wait ████ forward (torch, releases the GIL) ████ ●done
+    D2H                                                             ╎wait █copy█ ●d2h_done
+
+`record(ev)` queues a marker; when the worker reaches it, the event is reached. `wait(ev)` queues a
+hold: the worker stops there until the event is reached (the host never waits). The default stream
+is the *legacy* default stream: its work starts only after all earlier work on every stream, and
+later work on any stream waits for it, so one launch on it serializes everything (notebook 02).
+
+A failure inside device work is kept and raised in the host as `DeviceError` at the next launch,
+query or synchronize on that device; like a CUDA error it is sticky (every later call raises, open a
+new device), and every worker drops its remaining work, so nothing hangs on an event that will never
+come. Every host wait takes a timeout.
+
+Why threads, and the two knobs (measured: notes/device_overlap.md, `python -m minibatch.cpu_device`):
+work launched on the device runs arbitrary Python closures over the model, the KV cache and the IO
+buffers, which only a thread of the same process can share; a device process would need every one of
+them in shared memory and every closure picklable. The price is the GIL. Torch ops release it while
+they compute, but the Python between them (a transformers forward has a lot) competes with the host's
+Python. Under the default 5 ms switch interval a GIL-releasing op waits up to 5 ms to get the GIL back
+each time it returns, so the host's Python loop starves the device; while a cpu device is open we set
+the interval to 0.2 ms (restored on close) and give torch one intra-op thread per spare core (1 on a
+2-core machine), so that the device thread and the host thread each keep a core instead of fighting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from .device import Device, DeviceError, DeviceTimeoutError, Event, Stream
+
+SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
+
+_settings_lock = threading.Lock()
+_open_devices = 0
+_saved_settings: tuple[float, int] | None = None
+
+
+def _acquire_settings(switch_interval: float, torch_threads: int) -> None:
+    """The first open cpu device sets the GIL switch interval and torch threads; the last one restores them."""
+    global _open_devices, _saved_settings
+    with _settings_lock:
+        if _open_devices == 0:
+            _saved_settings = (sys.getswitchinterval(), torch.get_num_threads())
+            sys.setswitchinterval(switch_interval)
+            torch.set_num_threads(torch_threads)
+        _open_devices += 1
+
+
+def _release_settings() -> None:
+    global _open_devices
+    with _settings_lock:
+        _open_devices -= 1
+        if _open_devices == 0 and _saved_settings is not None:
+            sys.setswitchinterval(_saved_settings[0])
+            torch.set_num_threads(_saved_settings[1])
+
+
+class _Work:
+    """One queued item: `run` executes outside the device lock, `deps` are checked under it."""
+
+    __slots__ = ("kind", "run", "deps", "reaches", "what")
+
+    def __init__(self, kind: str, run: Callable[[], Any] | None, what: str) -> None:
+        self.kind, self.run, self.what = kind, run, what
+        self.deps: list[Callable[[], bool]] = []   # all must be true before the item starts
+        self.reaches: tuple[CpuEvent, int] | None = None  # a record: (event, sequence number)
+
+
+class CpuEvent(Event):
+    def __init__(self, dev: CpuDevice) -> None:
+        self.dev = dev
+        self._recorded = 0  # how many times the event was recorded (the latest record is the one that counts)
+        self._reached = 0   # the highest record a worker has passed
+
+    def _done(self, target: int) -> bool:
+        return self._reached >= target
+
+    def query(self) -> bool:
+        with self.dev._cv:
+            self.dev._check()
+            return self._done(self._recorded)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        with self.dev._cv:
+            target = self._recorded  # like CUDA: wait for the record made before this call
+            self.dev._wait_for(lambda: self._done(target), timeout, "an event")
+
+
+class CpuStream(Stream):
+    def __init__(self, dev: CpuDevice, name: str, default: bool = False) -> None:
+        self.dev, self.name, self.is_default = dev, name, default
+        self._queue: deque[_Work] = deque()
+        self._enqueued = 0
+        self._completed = 0
+        self._thread = threading.Thread(target=self._worker, name=f"minibatch-{name}", daemon=True)
+        self._thread.start()
+
+    # --- host side: enqueue and return ---------------------------------------------------------------
+    def launch(self, fn: Callable[..., Any], *args: Any, name: str = "compute", lane: str = "compute",
+               step: int = -1, slot: int = -1) -> None:
+        # grad/inference mode is thread-local; carry the host's into the worker, as a CUDA launch would
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        timeline = self.dev.timeline
+
+        def run() -> None:
+            start = timeline.now() if timeline is not None else 0.0
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn(*args)
+            if timeline is not None:
+                timeline.add(lane, name, start, timeline.now(), step, slot)
+
+        self._enqueue(_Work("launch", run, name))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str = "H2D", lane: str = "H2D",
+             step: int = -1, slot: int = -1) -> None:
+        self.launch(dst.copy_, src, name=name, lane=lane, step=step, slot=slot)
+
+    def record(self, event: Event) -> None:
+        ev = self.dev._own(event)
+        with self.dev._cv:
+            ev._recorded += 1
+            work = _Work("record", None, "record")
+            work.reaches = (ev, ev._recorded)
+            self._enqueue(work)
+
+    def wait(self, event: Event) -> None:
+        ev = self.dev._own(event)
+        with self.dev._cv:
+            work = _Work("wait", None, "wait")
+            target = ev._recorded  # a never-recorded event is already reached, as in CUDA
+            work.deps.append(lambda: ev._done(target))
+            self._enqueue(work)
+
+    def sleep(self, seconds: float, name: str = "delay", lane: str | None = None, step: int = -1,
+              slot: int = -1) -> None:
+        stop, timeline = self.dev._stop, self.dev.timeline
+
+        def run() -> None:  # an interruptible sleep, so that close() never waits for a long delay
+            start = timeline.now() if timeline is not None else 0.0
+            stop.wait(seconds)
+            if timeline is not None and lane is not None:
+                timeline.add(lane, name, start, timeline.now(), step, slot)
+
+        self._enqueue(_Work("sleep", run, f"sleep({seconds})"))
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        with self.dev._cv:
+            target = self._enqueued
+            self.dev._wait_for(lambda: self._completed >= target, timeout, f"stream {self.name!r}")
+
+    def _enqueue(self, work: _Work) -> None:
+        dev = self.dev
+        with dev._cv:
+            dev._check()
+            # legacy default stream: it waits for everything before it, everything after waits for it
+            if self.is_default:
+                for s in dev._streams.values():
+                    if s is not self and s._completed < s._enqueued:
+                        work.deps.append(lambda s=s, n=s._enqueued: s._completed >= n)
+            else:
+                d, n = dev.default_stream, dev.default_stream._enqueued
+                if d._completed < n:
+                    work.deps.append(lambda: d._completed >= n)
+            self._queue.append(work)
+            self._enqueued += 1
+            dev._cv.notify_all()
+
+    # --- device side: the worker -------------------------------------------------------------------
+    def _worker(self) -> None:
+        dev = self.dev
+        while True:
+            with dev._cv:
+                while not dev._closed and dev._error is None and not (
+                        self._queue and all(dep() for dep in self._queue[0].deps)):
+                    dev._cv.wait()
+                if dev._closed:
+                    return
+                if dev._error is not None:  # the device failed: drop our work, nothing will run again
+                    self._completed += len(self._queue)
+                    self._queue.clear()
+                    dev._cv.notify_all()
+                    continue
+                work = self._queue[0]
+            try:
+                if work.run is not None:
+                    work.run()
+            except BaseException as exc:  # noqa: BLE001 — any failure must reach the host, not kill the thread
+                with dev._cv:
+                    if dev._error is None:
+                        dev._error = (f"device work {work.what!r} on stream {self.name!r} failed: "
+                                      f"{type(exc).__name__}: {exc}", exc)
+                    dev._cv.notify_all()
+                continue
+            with dev._cv:
+                self._queue.popleft()
+                self._completed += 1
+                if work.reaches is not None:
+                    ev, seq = work.reaches
+                    ev._reached = max(ev._reached, seq)
+                dev._cv.notify_all()
+
+
+class CpuDevice(Device):
+    """An emulated device: one worker thread per stream, sharing one lock and condition variable."""
+
+    kind = "cpu"
+
+    def __init__(self, timeline=None, switch_interval: float = SWITCH_INTERVAL,
+                 torch_threads: int | None = None) -> None:
+        self.timeline = timeline
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._closed = False
+        self._error: tuple[str, BaseException] | None = None  # (message, the exception raised in the worker)
+        self._streams: dict[str, CpuStream] = {}
+        if torch_threads is None:  # leave one core to the host thread
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+            torch_threads = max(1, cores - 1)
+        _acquire_settings(switch_interval, torch_threads)
+        self.default_stream = CpuStream(self, "default", default=True)
+        self._streams["default"] = self.default_stream
+
+    def stream(self, name: str) -> CpuStream:
+        with self._cv:
+            self._check()
+            if name not in self._streams:
+                self._streams[name] = CpuStream(self, name)
+            return self._streams[name]
+
+    def event(self) -> CpuEvent:
+        return CpuEvent(self)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        with self._cv:
+            targets = [(s, s._enqueued) for s in self._streams.values()]
+            self._wait_for(lambda: all(s._completed >= n for s, n in targets), timeout, "the device")
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()  # a new host buffer, as on cuda; there is no pinning to do
+
+    def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()  # cut injected delays short
+            self._cv.notify_all()
+        for s in self._streams.values():
+            if s._thread is not threading.current_thread():
+                s._thread.join(timeout=2.0)  # a running fn cannot be interrupted; daemon threads die at exit
+        _release_settings()
+
+    # --- helpers, called with self._cv held ---------------------------------------------------------
+    def _check(self) -> None:
+        if self._error is not None:  # a fresh exception each time, so tracebacks do not pile up
+            raise DeviceError(self._error[0]) from self._error[1]
+        if self._closed:
+            raise DeviceError("the device is closed")
+
+    def _own(self, event: Event) -> CpuEvent:
+        if not isinstance(event, CpuEvent) or event.dev is not self:
+            raise ValueError("this event belongs to another device: create it with this device's event()")
+        return event
+
+    def _wait_for(self, done: Callable[[], bool], timeout: float | None, what: str) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check()
+            if done():
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeviceTimeoutError(f"timed out after {timeout:g} s waiting for {what} (a delay longer "
+                                         "than the timeout, or a wait on an event recorded after it?)")
+            self._cv.wait(left)
+
+
+def measure_overlap(work: str = "forward", switch_interval: float = SWITCH_INTERVAL,
+                    torch_threads: int | None = None, reps: int = 7, seconds: float = 0.25,
+                    where: str = "thread") -> dict[str, float]:
+    """Host Python work beside device torch work: overlapped time / sequential time (medians of reps).
+
+    Host: building lists, like a scheduler. Device: the tiny model's forward on 4×64 tokens ("forward")
+    or 384×384 matmuls ("matmul"), launched on a cpu-device stream (where="thread") or, for reference,
+    run in a forked process (where="process", no sharing). Each side takes about `seconds` alone, so
+    the ideal ratio is about 0.5 and no overlap at all gives 1.0.
+    """
+    import multiprocessing
+    import statistics
+
+    def host(n: int) -> None:
+        for _ in range(n):
+            [j * 2 for j in range(100)]
+
+    if work == "forward":
+        from .model import load_model
+        hf, ids = load_model("tiny", device="cpu", dtype=torch.float32).hf, torch.randint(0, 256, (4, 64))
+
+        def device_work(n: int) -> None:
+            with torch.inference_mode():
+                for _ in range(n):
+                    hf(input_ids=ids)
+    else:
+        a, b, c = torch.randn(384, 384), torch.randn(384, 384), torch.empty(384, 384)
+
+        def device_work(n: int) -> None:
+            for _ in range(n):
+                torch.matmul(a, b, out=c)
+
+    def timed(f: Callable[[], Any]) -> float:
+        t = time.perf_counter()
+        f()
+        return time.perf_counter() - t
+
+    with CpuDevice(None, switch_interval, torch_threads) as dev:
+        s = dev.stream("compute")
+        if where == "process":
+            ctx = multiprocessing.get_context("fork")
+            start = lambda n: (p := ctx.Process(target=device_work, args=(n,)), p.start(), p)[-1]  # noqa: E731
+            finish = lambda p: p.join(60)  # noqa: E731
+        else:
+            start = lambda n: s.launch(device_work, n)  # noqa: E731
+            finish = lambda _: s.synchronize(60)  # noqa: E731
+        sizes = {}
+        for side, f in (("host", host), ("device", lambda n: finish(start(n)))):
+            f(1)  # warm-up
+            n = max(1, int(seconds / max(timed(lambda: f(8)) / 8, 1e-6)))
+            sizes[side] = n
+        rows = []
+        for _ in range(reps):
+            th = timed(lambda: host(sizes["host"]))
+            td = timed(lambda: finish(start(sizes["device"])))
+
+            def both() -> None:
+                job = start(sizes["device"])
+                host(sizes["host"])
+                finish(job)
+            rows.append((th, td, timed(both)))
+    med = [statistics.median(col) for col in zip(*rows)]
+    return {"host_s": med[0], "device_s": med[1], "overlapped_s": med[2],
+            "ratio": statistics.median(o / (h + d) for h, d, o in rows),
+            "ideal": statistics.median(max(h, d) / (h + d) for h, d, _ in rows)}
+
+
+if __name__ == "__main__":  # python -m minibatch.cpu_device: the table in notes/device_overlap.md
+    print(f"{len(os.sched_getaffinity(0))} cores usable, load average {os.getloadavg()[0]:.2f}")
+    print("work     torch_threads  switch_ms  where    host_s  device_s  overlapped_s  ratio  ideal")
+    for work in ("matmul", "forward"):
+        for threads in (1, 2):
+            for where, interval in (("thread", 0.005), ("thread", 0.001), ("thread", 0.0002),
+                                    ("thread", 0.00005), ("process", 0.005)):
+                r = measure_overlap(work, interval, threads, where=where)
+                print(f"{work:8s} {threads:13d} {interval * 1e3:10.2f}  {where:7s} {r['host_s']:7.3f} "
+                      f"{r['device_s']:9.3f} {r['overlapped_s']:13.3f} {r['ratio']:6.2f} {r['ideal']:6.2f}",
+                      flush=True)
