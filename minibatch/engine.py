@@ -59,6 +59,7 @@ def generate(
     block_size: int = 16,
     num_blocks: int | None = None,
     progress: bool = False,
+    arrival_steps: Sequence[int] | None = None,
     timeout: float | None = 600.0,
 ) -> list[list[int]]:
     """Continue every prompt; return the new tokens of each, in prompt order.
@@ -68,7 +69,8 @@ def generate(
     `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
     fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens)); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
     longest requests). `timeout` bounds every host wait on the device (seconds): a device that
-    stops making progress raises instead of hanging.
+    stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
+    which prompt i reaches the server, to simulate requests arriving while the loop runs.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
@@ -89,9 +91,14 @@ def generate(
         if limit and len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
                              f"exceed the model's {limit} positions")
+    if arrival_steps is None:
+        arrival_steps = [0] * len(token_lists)
+    if len(arrival_steps) != len(token_lists) or any(not isinstance(a, int) or a < 0 for a in arrival_steps):
+        raise ValueError("arrival_steps needs one integer >= 0 per prompt")
     requests = [
-        Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id)
-        for i, p in enumerate(token_lists)
+        Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id,
+                arrival_step=a)
+        for i, (p, a) in enumerate(zip(token_lists, arrival_steps))
     ]
     if num_blocks is None:
         need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)

@@ -66,6 +66,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # KV block table: logical block i -> physical block
     finish_reason: str | None = None  # "eos" or "length"
+    arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
 
     @property
     def tokens(self) -> list[int]:

@@ -65,6 +65,7 @@ class Scheduler:
         self.allocator = allocator
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.pending: list[Request] = []  # not arrived yet (arrival_step in the future)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, not finished, in admission order
         self.finished: list[Request] = []
@@ -77,14 +78,24 @@ class Scheduler:
                 f"request {request.rid} needs {request.max_len} tokens of KV cache ({need} blocks) but the "
                 f"cache only has {self.allocator.num_blocks} blocks of {self.allocator.block_size}: it could never run"
             )
-        self.waiting.append(request)
+        if request.arrival_step > self.step:
+            self.pending.append(request)
+            self.pending.sort(key=lambda r: r.arrival_step)
+        else:
+            self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending)
 
     def has_unplanned_work(self) -> bool:
         """Is there anything a new step could do? (False while only in-flight tokens are pending.)"""
-        return bool(self.waiting) or any(self._wants_tokens(r) for r in self.running)
+        return bool(self.waiting or self.pending) or any(self._wants_tokens(r) for r in self.running)
+
+    def _arrivals(self) -> None:
+        if self.pending and not self.waiting and not self.running:
+            self.step = max(self.step, self.pending[0].arrival_step)  # idle: skip ahead to the next arrival
+        while self.pending and self.pending[0].arrival_step <= self.step:
+            self.waiting.append(self.pending.pop(0))
 
     @staticmethod
     def _wants_tokens(r: Request) -> bool:
@@ -94,6 +105,7 @@ class Scheduler:
 
     def schedule(self) -> BatchPlan:
         """Plan the next step and advance the bookkeeping as if it had already run."""
+        self._arrivals()
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         # 1. decoding requests first: one token each, so ongoing generations never stall

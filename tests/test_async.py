@@ -1,0 +1,77 @@
+"""The async loop equals the sync loop token for token, and Hugging Face generate for greedy."""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import minibatch
+from minibatch.timeline import Timeline
+
+VOCAB = 512
+
+
+def prompts_of(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+workloads = st.fixed_dictionaries({
+    "lengths": st.lists(st.integers(1, 30), min_size=1, max_size=10),
+    "seed": st.integers(0, 10_000),
+    "max_new": st.integers(1, 10),
+    "budget": st.integers(4, 24),
+    "seats": st.integers(1, 5),
+    "eos_pick": st.one_of(st.none(), st.integers(0, 10_000)),
+    "arrivals": st.lists(st.integers(0, 12), min_size=10, max_size=10),
+    "temperature": st.sampled_from([0.0, 0.0, 1.0]),
+})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(w=workloads)
+def test_async_equals_sync(random_llama, w):
+    prompts = prompts_of(w["lengths"], w["seed"])
+    kw = dict(max_new_tokens=w["max_new"], max_batch_tokens=max(w["budget"], w["seats"]),
+              max_batch_size=w["seats"], temperature=w["temperature"], seed=w["seed"],
+              arrival_steps=w["arrivals"][: len(prompts)], block_size=4)
+    eos = None
+    if w["eos_pick"] is not None:  # an EOS the run really emits, at a random place
+        free = [t for o in minibatch.generate(random_llama, prompts, **kw) for t in o]
+        eos = free[w["eos_pick"] % len(free)]
+    sync = minibatch.generate(random_llama, prompts, mode="sync", eos_token_id=eos, **kw)
+    asyn = minibatch.generate(random_llama, prompts, mode="async", eos_token_id=eos, **kw)
+    assert asyn == sync
+    for o in sync:
+        assert 1 <= len(o) <= w["max_new"]
+        assert eos not in o[:-1]
+
+
+def test_async_greedy_matches_hf_generate(random_llama):
+    prompts = prompts_of([5, 23, 41, 1, 9, 16, 30], seed=0)
+    outs = minibatch.generate(random_llama, prompts, max_new_tokens=10, mode="async", max_batch_size=3,
+                              max_batch_tokens=8, block_size=4)
+    for p, o in zip(prompts, outs):
+        ref = random_llama.hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o == ref
+
+
+def test_eos_in_flight_is_dropped(tiny):
+    """The tiny model ends paragraphs with EOS; async schedules one step past it and must cut there."""
+    tok = tiny.tokenizer
+    prompts = [tok.encode(t) for t in ("Names", "The for statement", "A class", "Note", "See also", "For example")]
+    kw = dict(max_new_tokens=300, eos_token_id=tok.eos_token_id, max_batch_tokens=32, temperature=0.7, seed=3)
+    sync = minibatch.generate(tiny, prompts, mode="sync", **kw)
+    asyn = minibatch.generate(tiny, prompts, mode="async", **kw)
+    assert asyn == sync
+    assert any(o[-1] == tok.eos_token_id for o in sync), "want at least one request to stop at EOS"
+
+
+def test_stress_hundreds_of_requests(random_llama):
+    prompts = prompts_of([1 + i % 13 for i in range(300)], seed=5)
+    tl = Timeline()
+    outs = minibatch.generate(random_llama, prompts, max_new_tokens=3, mode="async", max_batch_size=32,
+                              max_batch_tokens=96, num_blocks=40, block_size=4, timeline=tl,
+                              eos_token_id=7, arrival_steps=[i // 10 for i in range(300)])
+    assert len(outs) == 300 and all(1 <= len(o) <= 3 for o in outs)
+    assert {s.slot for s in tl.spans if s.lane == "compute"} == {0, 1}  # both slots in use
