@@ -40,7 +40,9 @@ def demo(args) -> None:
     print(f"model {model.name!r} on {model.device} ({model.dtype}), {len(DEMO_PROMPTS)} prompts, "
           f"{args.max_new_tokens} new tokens each\n")
     prompts = [tok.encode(p) for p in DEMO_PROMPTS]
-    kw = dict(eos_token_id=tok.eos_token_id, max_batch_size=4, max_batch_tokens=32)
+    # sampled, seeded: greedy decoding makes a model this small repeat itself
+    kw = dict(eos_token_id=tok.eos_token_id, max_batch_size=4, max_batch_tokens=32, temperature=args.temperature,
+              seed=args.seed)
     results, timelines, outs = [], [], None
     for mode in args.modes:
         r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
@@ -99,8 +101,10 @@ def main(argv=None) -> None:
     d = sub.add_parser("demo", help="the tiny model continues a few prompts; table + timeline figure")
     d.add_argument("--model", default="tiny")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    d.add_argument("--modes", type=_modes, default=["sync"], help="comma-separated: sync,async")
+    d.add_argument("--modes", type=_modes, default=["sync", "async"], help="comma-separated: sync,async")
     d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--temperature", type=float, default=0.7)
+    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=os.environ.get("MINIBATCH_OUT", "out"), help="folder for figure and trace")
     d.set_defaults(func=demo)
     b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")

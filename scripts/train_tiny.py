@@ -132,30 +132,35 @@ def write_readme(args, n_params, steps, minutes, train_loss, val_loss, n_train, 
     (OUT_DIR / "README.md").write_text(f"""\
 # tiny: a toy byte-level Llama
 
-A {cfg.num_hidden_layers}-layer `LlamaForCausalLM` with {n_params:,} parameters,
-stored in bfloat16. It reads and writes UTF-8 bytes: ids 0..255 are bytes,
-256 = BOS, 257 = EOS, 258 = PAD (see `minibatch/tokenizer.py`).
+A `LlamaForCausalLM` with {n_params:,} parameters, stored in bfloat16.
+It reads and writes UTF-8 bytes: ids 0..255 are bytes, 256 = BOS,
+257 = EOS, 258 = PAD (see `minibatch/tokenizer.py`).
 
-Architecture: hidden {cfg.hidden_size}, MLP {cfg.intermediate_size},
-{cfg.num_attention_heads} query heads sharing {cfg.num_key_value_heads} KV heads
-(head_dim {cfg.hidden_size // cfg.num_attention_heads}), RoPE, up to
-{cfg.max_position_embeddings} positions, tied input/output embeddings.
+Architecture: {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, MLP size {cfg.intermediate_size},
+{cfg.num_attention_heads} query heads sharing {cfg.num_key_value_heads} KV heads (head_dim {cfg.head_dim}), RoPE,
+up to {cfg.max_position_embeddings} positions, tied input/output embeddings.
 
-Training: the English help text that ships with Python
-(`pydoc_data.topics.topics`), split into paragraphs, each one
-BOS + bytes + EOS ({n_train} paragraphs for training, {n_val} held out).
-AdamW, peak learning rate {args.lr}, warmup + cosine, {steps} steps of
-{BATCH_SIZE} random windows of {SEQ_LEN} bytes ({minutes:.1f} minutes on CPU,
-one thread), seed {SEED}.
+Training text: the English help text that ships with Python
+(`pydoc_data.topics.topics`), split into paragraphs, each one a document
+BOS + bytes + EOS: {n_train} paragraphs for training, {n_val} held out.
+
+Training: AdamW, peak learning rate {args.lr:g}, warmup + cosine,
+{steps} steps of {BATCH_SIZE} random windows of {SEQ_LEN} bytes,
+{minutes:.1f} minutes on one CPU thread, seed {SEED}:
 
     python scripts/train_tiny.py {' '.join(sys.argv[1:])}
 
-Final loss (nats per byte, float32, before the bf16 cast): train {train_loss:.3f}
-(on a sample of the training text), validation {val_loss:.3f} (held-out paragraphs).
+Final loss in nats per byte (float32, before the bf16 cast):
+train {train_loss:.3f} (on a sample of the training text),
+validation {val_loss:.3f} (held-out paragraphs).
 
 This is a toy. It produces Python-documentation-flavoured English that
 looks plausible at a glance and means nothing. It exists so that the
 minibatch notebooks have a real model whose output you can read.
+Greedy decoding soon falls into a loop ("... is a string of the statement
+of the statement ..."), and different prompts often reach the same loop;
+sampling (temperature about 0.7) gives more varied text and ends paragraphs
+with EOS.
 """)
 
 

@@ -98,19 +98,21 @@ assert ours == hf_new, "minibatch and Hugging Face generate disagree"
 print("\nsame tokens as Hugging Face generate ✓")
 
 # %% [markdown]
-# It is plausible-looking documentation English that means nothing: the model is a toy. That is
-# enough for us: when a token is routed to the wrong request later on, you will *see* it as
-# garbage in the text.
+# Plausible-looking documentation English that soon repeats itself: greedy decoding from a model
+# this small falls into loops. The model is a toy, and that is enough for us.
 #
 # `minibatch.generate` takes many prompts at once and returns one list of new tokens per prompt,
-# in order. A few prompts, with sampling this time (temperature 0.8, seeded, so reproducible):
+# in order. A few prompts, with sampling this time (temperature 0.7, seeded, so reproducible): the
+# text varies, and some requests stop by themselves with EOS, after different numbers of tokens.
+# When a token is sent to the wrong request later on, you will *see* it as garbage in the text.
 
 # %%
 prompts = ["A class definition", "Exceptions are raised", "The import system"]
-outs = minibatch.generate(model, prompts, max_new_tokens=50, temperature=0.8, seed=1,
+outs = minibatch.generate(model, prompts, max_new_tokens=200, temperature=0.7, seed=3,
                           eos_token_id=tok.eos_token_id)
 for p, o in zip(prompts, outs):
-    print(f"{p!r:26} -> {tok.decode(o)!r}")
+    end = "EOS" if o[-1] == tok.eos_token_id else "length"
+    print(f"{p!r} ({len(o)} tokens, stopped by {end}):\n    {tok.decode(o)!r}")
 
 # %% [markdown]
 # ## Summary

@@ -83,8 +83,10 @@ for r in requests:
     print(f"  request {r.rid}: {r.state.value:10} blocks {r.blocks}")
 
 # %% [markdown]
-# Request 0 (18 tokens with BOS) did not fit the 16-token budget: it got its first 16 tokens now and
-# will get the rest next step. Request 1 got nothing yet, and request 3 waits for a seat.
+# Request 0 (18 tokens with BOS) does not fit the 16-token budget: it gets its first 16 tokens now
+# and the rest next step. The other requests wait, since the budget is spent. Request 0 already
+# owns 4 blocks of 8 slots: room for its 18 prompt tokens and the 12 it may generate (`minibatch`
+# reserves a request's whole need when it admits it, so it never runs out half-way).
 #
 # ## 5. A ragged batch
 #
@@ -99,6 +101,19 @@ print("positions     ", host.positions.tolist())
 print("slot_mapping  ", host.slot_mapping.tolist())
 print("logits_indices", host.logits_indices.tolist(), "(tokens that produce a new token)")
 print("keys read     ", len(host.kv_indices), "cache slots")
+
+# %% [markdown]
+# Let us run this step and a few more, calling the model directly (on the CPU, host tensors are
+# already "device" tensors), and watch the batch change: request 0 finishes its prompt and starts
+# decoding, newcomers are admitted, their prompts are chunked to fit what is left of the budget,
+# and prefill chunks and decode tokens share one batch.
+
+# %%
+for _ in range(5):
+    tokens = model.step(build_batch(plan, cache), cache)  # forward + sample
+    sched.update(plan, tokens.tolist())
+    plan = sched.schedule()
+    show(plan)
 
 # %% [markdown]
 # ## 6. The synchronous loop, inline
