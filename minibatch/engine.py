@@ -5,7 +5,7 @@ The sync and async loops share everything here; `mode` only picks which loop run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,6 +60,7 @@ def generate(
     num_blocks: int | None = None,
     progress: bool = False,
     arrival_steps: Sequence[int] | None = None,
+    on_step: Callable | None = None,
     timeout: float | None = 600.0,
 ) -> list[list[int]]:
     """Continue every prompt; return the new tokens of each, in prompt order.
@@ -71,6 +72,7 @@ def generate(
     longest requests). `timeout` bounds every host wait on the device (seconds): a device that
     stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
     which prompt i reaches the server, to simulate requests arriving while the loop runs.
+    `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
@@ -114,9 +116,13 @@ def generate(
         from tqdm.auto import tqdm
         bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
 
+    user_on_step = on_step
+
     def on_step(plan, done):
         if bar is not None and done:
             bar.update(len(done))
+        if user_on_step is not None:
+            user_on_step(plan, done)
 
     from .device import get_device
     from .slots import IOSlot
