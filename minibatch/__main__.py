@@ -72,12 +72,14 @@ def bench_cmd(args) -> None:
     model = load_model(args.model, device=args.device)
     prompts = bench.random_prompts(args.num_prompts, args.prompt_len, model.vocab_size, args.seed)
     workload = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                    max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+                    max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                    cuda_graphs=args.cuda_graphs)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-              progress=not args.no_progress)
+              progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
     if args.warmup:
         bench.run_mode(model, prompts[: min(4, len(prompts))], args.modes[0], 4,
-                       max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+                       max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                       cuda_graphs=kw["cuda_graphs"])
     results, outs = [], {}
     for mode in args.modes:
         r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--warmup", action="store_true", help="one short untimed run first")
+    b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay decode steps as CUDA graphs (auto: on for CUDA)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)

@@ -24,13 +24,12 @@ Being one step behind has two consequences, both handled here and in the schedul
 
 from __future__ import annotations
 
-from .batch import build_batch
 from .carry_over import carry_over_mask
 from .slots import IOSlot, launch_step
 
 
-def run_async(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlot], on_step=None,
-              timeout: float | None = None) -> None:
+def run_async(runner, scheduler, timeline, dev, streams, slots: list[IOSlot], on_step=None,
+              timeout: float | None = None, delays: dict | None = None) -> None:
     """Run until every request has finished, overlapping host work with device work."""
     in_flight = None  # (plan, slot) of the batch the device is running
     n_launched = 0
@@ -38,14 +37,14 @@ def run_async(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlo
         launched = None
         if scheduler.has_unplanned_work():
             step = scheduler.step
-            slot = slots[n_launched % 2]
+            slot = slots[n_launched % len(slots)]  # two slots alternate (one: the race of notebook 04)
             with timeline.span("CPU", "prepare", step, slot.index):
                 plan = scheduler.schedule()
                 if plan.chunks:
                     prev_plan = in_flight[0] if in_flight else None
-                    slot.load(build_batch(plan, cache, model.kv_bucket), carry_over_mask(prev_plan, plan))
+                    slot.load(runner.build(plan), carry_over_mask(prev_plan, plan))
             if plan.chunks:
-                launch_step(model, cache, streams, slot, in_flight[1] if in_flight else None, step)
+                launch_step(runner, streams, slot, in_flight[1] if in_flight else None, step, delays)
                 launched = (plan, slot)
                 n_launched += 1
         if in_flight is None and launched is None:
@@ -56,7 +55,7 @@ def run_async(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlo
             with timeline.span("CPU", "wait", plan_n.step, slot_n.index):
                 slot_n.d2h_done.synchronize(timeout)
             with timeline.span("CPU", "update", plan_n.step, slot_n.index):
-                done = scheduler.update(plan_n, slot_n.sampled())
+                done = scheduler.update(plan_n, slot_n.sampled(len(plan_n.sampling_chunks)))
             if on_step is not None:
                 on_step(plan_n, done)
         in_flight = launched

@@ -46,6 +46,9 @@ class Batch:
     top_p: torch.Tensor  # [R] float32
     seed: torch.Tensor  # [R]
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
+    # not tensors: the layout, known on the host when the step is launched
+    decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
+    real_rows: int = -1  # sampled rows that belong to requests (the rest is padding); -1 = all
 
     @property
     def num_tokens(self) -> int:
@@ -56,10 +59,11 @@ class Batch:
         return self.logits_indices.shape[0]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+        moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSOR_FIELDS}
+        return Batch(**moved, decode_rows=self.decode_rows, real_rows=self.real_rows)
 
-    def pin_memory(self) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in ("decode_rows", "real_rows"))
 
 
 def input_token(r: Request, pos: int) -> int:
@@ -70,13 +74,25 @@ def input_token(r: Request, pos: int) -> int:
     return r.output[k] if k < len(r.output) else 0
 
 
-def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1) -> Batch:
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest size in `sizes` that holds n (n itself if none does)."""
+    return next((b for b in sorted(sizes) if b >= n), n)
+
+
+def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode_layout: bool = False,
+                row_buckets: tuple[int, ...] = ()) -> Batch:
     """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K.
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch slot, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
     every step: cuDNN attention builds a new plan for every new shape, measured at ~0.1-1 s each on
     an H200 (BENCHMARKS.md, foundation run).
+
+    decode_layout: when every chunk is a single decode token, lay the keys out as a table of
+    [rows, L] (row r = request r's context, padded with the scratch slot to L, a multiple of
+    kv_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
+    slot). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
+    come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py).
     """
     ids, pos, qseq, slots, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
@@ -91,23 +107,16 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1) -> Bat
             s = r.sampling
             samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
 
-    # keys to read: for chunk i, every token 0..end-1 of its request, found through its block table
-    ends = torch.tensor([c.end for c in plan.chunks], dtype=torch.int64)
-    max_blocks = max(len(c.request.blocks) for c in plan.chunks)
-    tables = torch.zeros(len(plan.chunks), max_blocks, dtype=torch.int64)
-    for i, c in enumerate(plan.chunks):
-        tables[i, : len(c.request.blocks)] = torch.tensor(c.request.blocks)
-    kv_seq = torch.repeat_interleave(torch.arange(len(plan.chunks)), ends)
-    starts = torch.cumsum(ends, 0) - ends
-    kv_pos = torch.arange(int(ends.sum())) - torch.repeat_interleave(starts, ends)
-    bs = cache.block_size
-    kv_indices = tables[kv_seq, kv_pos // bs] * bs + kv_pos % bs
-    pad = -len(kv_indices) % kv_bucket
-    if pad:
-        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_slot)])
-        kv_seq = torch.cat([kv_seq, torch.full((pad,), -1)])
-        kv_pos = torch.cat([kv_pos, torch.zeros(pad, dtype=torch.int64)])
-
+    real_rows = len(samp)
+    ends = [c.end for c in plan.chunks]
+    tables = [c.request.blocks for c in plan.chunks]
+    decode = decode_layout and all(c.num_tokens == 1 and c.sample for c in plan.chunks)
+    if decode:  # pad rows: a dummy token at position 0 that writes and reads only the scratch slot
+        for i in range(len(plan.chunks), bucket(len(plan.chunks), row_buckets)):
+            ids.append(0), pos.append(0), qseq.append(i), slots.append(cache.scratch_slot)
+            logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0))
+            ends.append(1), tables.append([cache.scratch_slot // cache.block_size])
+    kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, kv_bucket, decode)
     temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
     i64 = torch.int64
     return Batch(
@@ -124,4 +133,40 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1) -> Bat
         top_p=torch.tensor(topp, dtype=torch.float32),
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
+        decode_rows=len(ends) if decode else 0,
+        real_rows=real_rows,
     )
+
+
+def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_bucket: int, decode: bool):
+    """Cache slots to read for each chunk: every token 0..end-1 of its request, via its block table.
+
+    Flat layout: all chunks' keys end to end, padded at the end to a multiple of kv_bucket.
+    Decode layout: one row of L = round_up(max(ends), kv_bucket) per chunk, each padded.
+    Padding entries point at the scratch slot with kv_seq = -1, so no query attends to them.
+    """
+    n = len(ends)
+    ends_t = torch.tensor(ends, dtype=torch.int64)
+    table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    bs = cache.block_size
+    if decode:
+        width = -(-max(ends) // kv_bucket) * kv_bucket
+        kv_pos = torch.arange(width).repeat(n, 1)  # [n, L]
+        valid = kv_pos < ends_t[:, None]
+        rows = torch.arange(n)[:, None].expand(n, width)
+        slots = table[rows, (kv_pos // bs).clamp(max=table.shape[1] - 1)] * bs + kv_pos % bs
+        kv_indices = torch.where(valid, slots, cache.scratch_slot).flatten()
+        kv_seq = torch.where(valid, rows, -1).flatten()
+        return kv_indices, kv_seq, torch.where(valid, kv_pos, 0).flatten()
+    kv_seq = torch.repeat_interleave(torch.arange(n), ends_t)
+    starts = torch.cumsum(ends_t, 0) - ends_t
+    kv_pos = torch.arange(int(ends_t.sum())) - torch.repeat_interleave(starts, ends_t)
+    kv_indices = table[kv_seq, kv_pos // bs] * bs + kv_pos % bs
+    pad = -len(kv_indices) % kv_bucket
+    if pad:
+        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_slot)])
+        kv_seq = torch.cat([kv_seq, torch.full((pad,), -1)])
+        kv_pos = torch.cat([kv_pos, torch.zeros(pad, dtype=torch.int64)])
+    return kv_indices, kv_seq, kv_pos

@@ -54,16 +54,15 @@ def needs_placeholder(r: Request, pos: int) -> bool:
     return pos >= len(r.prompt) + len(r.output)
 
 
-def apply_carry_over(input_ids: torch.Tensor, prev_output: torch.Tensor, mask: torch.Tensor) -> None:
-    """In place on the device: input_ids[mask[i]] += prev_output[i] for every row with mask[i] >= 0.
+def apply_carry_over(out_ids: torch.Tensor, input_ids: torch.Tensor, prev_output: torch.Tensor,
+                     mask: torch.Tensor) -> None:
+    """On the device: out_ids = input_ids, plus prev_output[i] at position mask[i] for every mask[i] >= 0.
 
-    input_ids: [T] batch N+1's ids with placeholders 0; prev_output: [R] batch N's sampled tokens
-    (may be longer than mask: only the first len(mask) rows are used); mask: [R'] int64.
+    input_ids: [T] batch N+1's ids with placeholders 0; prev_output: [R] batch N's sampled tokens;
+    mask: [R] int64, -1 where a row goes nowhere. Written out of place (into `out_ids`) so that
+    running it twice gives the same result, which a CUDA graph's warm-up run and replay need.
     """
-    rows = mask.shape[0]
-    if rows == 0:
-        return
-    tokens = prev_output[:rows]  # 1. gather
+    tokens = prev_output[: mask.shape[0]]  # 1. gather
     tokens = torch.where(mask >= 0, tokens, torch.zeros_like(tokens))  # 2. zero
-    placed = torch.zeros_like(input_ids).index_add_(0, mask.clamp(min=0), tokens)  # 3. place
-    input_ids.add_(placed)  # 4. add
+    placed = torch.zeros_like(input_ids).index_add_(0, mask.clamp(min=0, max=input_ids.shape[0] - 1), tokens)  # 3. place
+    torch.add(input_ids, placed, out=out_ids)  # 4. add

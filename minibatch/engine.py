@@ -61,6 +61,9 @@ def generate(
     progress: bool = False,
     arrival_steps: Sequence[int] | None = None,
     on_step: Callable | None = None,
+    cuda_graphs: bool | None = None,
+    num_slots: int | None = None,
+    inject_delays: dict[str, float] | None = None,
     timeout: float | None = 600.0,
 ) -> list[list[int]]:
     """Continue every prompt; return the new tokens of each, in prompt order.
@@ -72,6 +75,9 @@ def generate(
     longest requests). `timeout` bounds every host wait on the device (seconds): a device that
     stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
     which prompt i reaches the server, to simulate requests arriving while the loop runs.
+    `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (graphs.py).
+    `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
+    seconds slept on that stream before each step's work) exist to show the race of notebook 04.
     `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
     """
     if not isinstance(model, Model):
@@ -125,19 +131,34 @@ def generate(
             user_on_step(plan, done)
 
     from .device import get_device
+    from .batch import bucket
+    from .graphs import ROW_BUCKETS, StepRunner
     from .slots import IOSlot
+
+    if num_slots is None:
+        num_slots = 2 if mode == "async" else 1
+    if num_slots not in (1, 2):
+        raise ValueError(f"num_slots must be 1 or 2, got {num_slots!r}")
+    if inject_delays and set(inject_delays) - {"H2D", "compute", "D2H"}:
+        raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
+    if cuda_graphs is None:
+        cuda_graphs = model.device.type == "cuda"
+    runner = StepRunner(model, cache, use_graphs=cuda_graphs)
 
     try:
         with get_device(str(model.device), timeline) as dev:
             streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-            max_keys = num_blocks * block_size + model.kv_bucket
-            slots = [IOSlot(dev, i, max_batch_tokens, max_keys, max_batch_size, model.device)
-                     for i in range(2 if mode == "async" else 1)]
+            # capacities: the largest step, with the padding the graph layout may add (batch.py)
+            rows = bucket(max_batch_size, ROW_BUCKETS)
+            width = -(-max(r.max_len + 1 for r in requests) // model.kv_bucket) * model.kv_bucket
+            max_keys = max(num_blocks * block_size + model.kv_bucket, rows * width)
+            slots = [IOSlot(dev, i, max(max_batch_tokens, rows), max_keys, rows, model.device)
+                     for i in range(num_slots)]
             if mode == "sync":
                 from .sync_loop import run_sync as loop
             else:
                 from .async_loop import run_async as loop
-            loop(model, scheduler, cache, timeline, dev, streams, slots, on_step, timeout)
+            loop(runner, scheduler, timeline, dev, streams, slots, on_step, timeout, inject_delays)
             dev.flush_timeline()
     finally:
         if bar is not None:

@@ -87,17 +87,41 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                       dropout=dropout, **kwargs)
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
-    slots = meta.batch.slot_mapping
-    k_cache.index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
-    v_cache.index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
-    keys = k_cache.index_select(0, meta.batch.kv_indices).transpose(0, 1)[None]  # [1, kv_heads, K, head_dim]
-    values = v_cache.index_select(0, meta.batch.kv_indices).transpose(0, 1)[None]
+    b = meta.batch
+    k_cache.index_copy_(0, b.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
+    v_cache.index_copy_(0, b.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    keys = k_cache.index_select(0, b.kv_indices)  # [K, kv_heads, head_dim]
+    values = v_cache.index_select(0, b.kv_indices)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if b.decode_rows:
+        return _decode_attention(query, keys, values, meta, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=meta.mask(window), scale=scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
+        query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
+        scale=scaling, enable_gqa=query.shape[1] != keys.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], no attention weights
+
+
+def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
+    """One query per row, each against its own row of keys: [rows, L] instead of a [T, K] mask.
+
+    Grouped-query attention without copying keys per query head: query heads are viewed as
+    [kv_heads, group] and matched with their shared key/value head inside the einsum.
+    """
+    b = meta.batch
+    rows, (_, heads, _, dim) = b.decode_rows, query.shape
+    kv_heads = keys.shape[1]
+    q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
+    k = keys.view(rows, -1, kv_heads, dim)  # [R, L, KVH, D]
+    v = values.view(rows, -1, kv_heads, dim)
+    scores = torch.einsum("rhgd,rlhd->rhgl", q, k).float() * (scaling or dim**-0.5)
+    q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
+    ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=q.device)[:, None]) & (k_pos <= q_pos)
+    if window:
+        ok &= q_pos - k_pos < window
+    probs = scores.masked_fill(~ok[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
+    out = torch.einsum("rhgl,rlhd->rhgd", probs, v)  # [R, KVH, G, D]
+    return out.reshape(1, rows, heads, dim)
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
@@ -140,6 +164,8 @@ class Model:
         self.dtype = next(self.hf.parameters()).dtype
         # pad the attention's key list to a multiple of this (batch.py says why); CPUs gain nothing
         self.kv_bucket = 256 if self.device.type == "cuda" else 1
+        # decode steps use the [rows, L] key layout (batch.py); flat + mask otherwise
+        self.decode_layout = self.device.type == "cuda"
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,

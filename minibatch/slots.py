@@ -23,11 +23,11 @@ d2h_done, which comes after batch N's H2D and compute: then nothing reads slot A
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 
-from .batch import Batch
+from dataclasses import dataclass
+
+from .batch import TENSOR_FIELDS, Batch
 from .device import Device
 
 INT_FIELDS = ("input_ids", "positions", "q_seq", "slot_mapping", "kv_indices", "kv_seq", "kv_pos",
@@ -48,11 +48,12 @@ class IOSlot:
         self.caps = caps
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
-        for f in fields(Batch):
-            dtype = torch.float32 if f.name in FLOAT_FIELDS else torch.int64
-            n = caps[EXTENT.get(f.name, "R")]
-            self.host[f.name] = dev.pin(torch.zeros(n, dtype=dtype))
-            self.dev[f.name] = torch.zeros(n, dtype=dtype, device=device)
+        for name in TENSOR_FIELDS:
+            dtype = torch.float32 if name in FLOAT_FIELDS else torch.int64
+            n = caps[EXTENT.get(name, "R")]
+            self.host[name] = dev.pin(torch.zeros(n, dtype=dtype))
+            self.dev[name] = torch.zeros(n, dtype=dtype, device=device)
+        self.dev["patched_ids"] = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # ids + carry-over
         # carry-over mask: for each row of the *previous* batch's output, where it goes in ours
         self.host["carry"] = dev.pin(torch.full((max_rows,), -1, dtype=torch.int64))
         self.dev["carry"] = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
@@ -60,64 +61,103 @@ class IOSlot:
         self.out_dev = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
+        self.decode_rows = 0
+        self.real_rows = 0
 
     def load(self, batch: Batch, carry: list[int]) -> None:
         """Write a host batch into this slot's host buffers (the host must own the slot: see module doc)."""
-        for f in fields(Batch):
-            t = getattr(batch, f.name)
-            buf = self.host[f.name]
+        for name in TENSOR_FIELDS:
+            t = getattr(batch, name)
+            buf = self.host[name]
             if t.shape[0] > buf.shape[0]:
-                cap = EXTENT.get(f.name, "R")
-                raise ValueError(f"batch field {f.name} needs {t.shape[0]} entries, slot capacity {cap}={buf.shape[0]}")
+                cap = EXTENT.get(name, "R")
+                raise ValueError(f"batch field {name} needs {t.shape[0]} entries, slot capacity {cap}={buf.shape[0]}")
             buf[: t.shape[0]].copy_(t)
-            self.sizes[f.name] = t.shape[0]
+            self.sizes[name] = t.shape[0]
+        # the whole mask travels, -1 past the previous batch's rows: fixed size, as a CUDA graph needs
+        self.host["carry"].fill_(-1)
         self.host["carry"][: len(carry)] = torch.tensor(carry, dtype=torch.int64)
-        self.sizes["carry"] = len(carry)
+        self.sizes["carry"] = self.host["carry"].shape[0]
+        self.decode_rows = batch.decode_rows
+        self.real_rows = batch.real_rows if batch.real_rows >= 0 else batch.num_sampled
 
-    def copy_in(self) -> None:
+    def copy_in(self, sizes: dict[str, int]) -> None:
         """H2D: copy the used prefix of every host buffer to the device (call on the H2D stream)."""
-        for name, n in self.sizes.items():
+        for name, n in sizes.items():
             if n:
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
 
-    def copy_out(self) -> None:
+    def copy_out(self, rows: int) -> None:
         """D2H: sampled ids back to the host buffer (call on the D2H stream)."""
-        n = self.sizes["logits_indices"]
-        self.out_host[:n].copy_(self.out_dev[:n], non_blocking=True)
+        self.out_host[:rows].copy_(self.out_dev[:rows], non_blocking=True)
 
-    def device_batch(self) -> Batch:
-        """Views of the device buffers, trimmed to this batch's sizes."""
-        return Batch(**{f.name: self.dev[f.name][: self.sizes[f.name]] for f in fields(Batch)})
+    def bind(self, prev: "IOSlot | None") -> "StepArgs":
+        """The compute work's arguments, fixed at launch time, as a kernel's arguments are.
 
-    def sampled(self) -> list[int]:
-        """The sampled ids on the host (only after d2h_done)."""
-        return self.out_host[: self.sizes["logits_indices"]].tolist()
+        (On the cpu backend the work runs later, in a worker; binding now keeps a later `load` of the
+        host side from changing which shapes that work uses, so a race corrupts data, not shapes.)
+        """
+        n = self.sizes["input_ids"]
+        views = {name: self.dev[name][: self.sizes[name]] for name in TENSOR_FIELDS}
+        views["input_ids"] = self.dev["patched_ids"][:n]
+        return StepArgs(
+            patched_ids=self.dev["patched_ids"][:n], input_ids=self.dev["input_ids"][:n],
+            source=(prev or self).out_dev,  # sync loop: no previous slot, and the mask is all -1
+            carry=self.dev["carry"], out=self.out_dev,
+            batch=Batch(**views, decode_rows=self.decode_rows, real_rows=self.real_rows),
+            key=(self.index, None if prev is None else prev.index, self.decode_rows, self.sizes["kv_indices"]),
+        )
+
+    def sampled(self, rows: int) -> list[int]:
+        """The first `rows` sampled ids on the host (only after d2h_done)."""
+        return self.out_host[:rows].tolist()
 
 
-def _forward(model, cache, slot: IOSlot, prev: IOSlot | None) -> None:
-    """Device work of one step: patch in carried-over tokens, forward, sample into the slot's output."""
+@dataclass
+class StepArgs:
+    """Everything one step's compute work touches: device buffers (views) and the shape key."""
+
+    patched_ids: torch.Tensor
+    input_ids: torch.Tensor
+    source: torch.Tensor  # the previous batch's sampled ids (carry-over source)
+    carry: torch.Tensor
+    out: torch.Tensor
+    batch: Batch
+    key: tuple  # (slot, previous slot, decode rows, keys): one CUDA graph per key
+
+
+def forward_step(model, cache, args: StepArgs) -> None:
+    """Device work of one step: patch in carried-over tokens, forward, sample into the slot's output.
+
+    Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
+    """
     from .carry_over import apply_carry_over
 
-    batch = slot.device_batch()
-    n_carry = slot.sizes["carry"]
-    if n_carry and prev is not None:
-        apply_carry_over(batch.input_ids, prev.out_dev, slot.dev["carry"][:n_carry])
-    tokens = model.step(batch, cache)
-    slot.out_dev[: tokens.shape[0]].copy_(tokens)
+    apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
+    tokens = model.step(args.batch, cache)
+    args.out[: tokens.shape[0]].copy_(tokens)
 
 
-def launch_step(model, cache, streams, slot: IOSlot, prev: IOSlot | None, step: int) -> None:
+def launch_step(runner, streams, slot: IOSlot, prev: IOSlot | None, step: int,
+                delays: dict[str, float] | None = None) -> None:
     """Enqueue one step's H2D, compute and D2H on three streams, chained by the slot's events.
 
-    Returns at once; the host learns the step is done from `slot.d2h_done`.
+    `runner(args)` is the compute work: `forward_step` eagerly, or a CUDA graph replay of it
+    (graphs.py). Returns at once; the host learns the step is done from `slot.d2h_done`.
+    `delays` ({"H2D": s, "compute": s, "D2H": s}) makes a stream sleep before that stage's work:
+    injected delays that make race conditions happen every time (notebook 04).
     """
     h2d, compute, d2h = streams
+    delays = delays or {}
     tag = dict(step=step, slot=slot.index)
-    h2d.launch(slot.copy_in, name="H2D", lane="H2D", **tag)
+    for stream, stage in ((h2d, "H2D"), (compute, "compute"), (d2h, "D2H")):
+        if delays.get(stage):
+            stream.sleep(delays[stage], lane=stage, **tag)
+    h2d.launch(slot.copy_in, dict(slot.sizes), name="H2D", lane="H2D", **tag)
     h2d.record(slot.h2d_done)
     compute.wait(slot.h2d_done)  # inputs must have landed
-    compute.launch(_forward, model, cache, slot, prev, name="compute", lane="compute", **tag)
+    compute.launch(runner, slot.bind(prev), name="compute", lane="compute", **tag)
     compute.record(slot.compute_done)
     d2h.wait(slot.compute_done)  # outputs must exist
-    d2h.launch(slot.copy_out, name="D2H", lane="D2H", **tag)
+    d2h.launch(slot.copy_out, slot.sizes["logits_indices"], name="D2H", lane="D2H", **tag)
     d2h.record(slot.d2h_done)

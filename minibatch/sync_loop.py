@@ -18,12 +18,11 @@ slot; `async_loop.py` shares all of this and differs only in the loop itself.
 
 from __future__ import annotations
 
-from .batch import build_batch
 from .slots import IOSlot, launch_step
 
 
-def run_sync(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlot], on_step=None,
-             timeout: float | None = None) -> None:
+def run_sync(runner, scheduler, timeline, dev, streams, slots: list[IOSlot], on_step=None,
+             timeout: float | None = None, delays: dict | None = None) -> None:
     """Run until every request has finished. `on_step(plan, newly_finished)` is called after each step."""
     slot = slots[0]
     while scheduler.has_work():
@@ -33,12 +32,12 @@ def run_sync(model, scheduler, cache, timeline, dev, streams, slots: list[IOSlot
             if not plan.chunks:
                 raise RuntimeError("the scheduler planned an empty step while requests are waiting: "
                                    "no request can be admitted (is the KV cache too small?)")
-            slot.load(build_batch(plan, cache, model.kv_bucket), [])
-        launch_step(model, cache, streams, slot, None, step)
+            slot.load(runner.build(plan), [])
+        launch_step(runner, streams, slot, None, step, delays)
         with timeline.span("CPU", "wait", step, slot.index):
             slot.d2h_done.synchronize(timeout)
         with timeline.span("CPU", "update", step, slot.index):
-            done = scheduler.update(plan, slot.sampled())
+            done = scheduler.update(plan, slot.sampled(len(plan.sampling_chunks)))
         if on_step is not None:
             on_step(plan, done)
     dev.synchronize(timeout)

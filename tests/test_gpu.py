@@ -1,0 +1,65 @@
+"""What only a GPU can show: CUDA graphs give the same tokens, and share one memory pool."""
+
+import pytest
+import torch
+
+import minibatch
+from minibatch.graphs import pool_memory
+from minibatch.timeline import Timeline
+
+pytestmark = pytest.mark.cuda
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("name, dtype", [("random-llama", torch.float32), ("llama3-1b-shape", torch.bfloat16)])
+def test_graphs_same_tokens_as_eager(name, dtype):
+    model = minibatch.load_model(name, device="cuda", dtype=dtype)
+    work = prompts(12, model.vocab_size)
+    kw = dict(max_new_tokens=20, max_batch_size=8, max_batch_tokens=64)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    for mode in ("sync", "async"):
+        assert minibatch.generate(model, work, mode=mode, cuda_graphs=True, **kw) == eager
+    sampled = dict(temperature=0.8, top_p=0.9, seed=4, **kw)
+    assert (minibatch.generate(model, work, mode="async", **sampled)
+            == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
+
+
+def test_async_matches_hf_generate_on_gpu():
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    work = prompts(6, model.vocab_size, seed=1)
+    outs = minibatch.generate(model, work, max_new_tokens=12, mode="async", max_batch_size=4, max_batch_tokens=32)
+    for p, o in zip(work, outs):
+        ref = model.hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o == ref
+
+
+def test_races_on_gpu():
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(4, model.vocab_size, seed=2)
+    kw = dict(max_new_tokens=6, max_batch_tokens=64, cuda_graphs=False)
+    ref = minibatch.generate(model, work, mode="sync", **kw)
+    for stage in ("H2D", "compute"):
+        assert minibatch.generate(model, work, mode="async", num_slots=1, inject_delays={stage: 0.05}, **kw) != ref
+        assert minibatch.generate(model, work, mode="async", inject_delays={stage: 0.05}, **kw) == ref
+
+
+def test_shared_pool_costs_about_one_graph():
+    model = minibatch.load_model("llama3-1b-shape", device="cuda")
+    shared = pool_memory(model, rows=16, context=256, shared=True)
+    separate = pool_memory(model, rows=16, context=256, shared=False)
+    print(f"\npool growth per capture (bytes): shared {shared}, separate {separate}")
+    assert separate[1] > 0.5 * separate[0]  # a second private pool costs about as much as the first
+    assert shared[1] < 0.25 * shared[0]  # the shared pool: the second graph costs little
+
+
+def test_device_clock_spans_on_gpu():
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    tl = Timeline()
+    minibatch.generate(model, prompts(4, model.vocab_size), max_new_tokens=8, mode="async", timeline=tl)
+    lanes = {s.lane for s in tl.spans}
+    assert {"CPU", "H2D", "compute", "D2H"} <= lanes and 0 < tl.device_busy() <= 1

@@ -1,0 +1,64 @@
+"""The race of notebook 04: one IO slot + an injected delay corrupts outputs every time; two slots never."""
+
+import pytest
+import torch
+
+import minibatch
+
+
+@pytest.fixture(scope="module")
+def work():
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 3, 9, 4)]
+
+
+@pytest.mark.parametrize("stage", ["H2D", "compute"])
+def test_one_slot_with_delay_corrupts_every_time(random_llama, work, stage):
+    kw = dict(max_new_tokens=6, max_batch_tokens=32)
+    ref = minibatch.generate(random_llama, work, mode="sync", **kw)
+    for _ in range(3):
+        bad = minibatch.generate(random_llama, work, mode="async", num_slots=1, inject_delays={stage: 0.03}, **kw)
+        assert bad != ref
+
+
+@pytest.mark.parametrize("stage", ["H2D", "compute", "D2H"])
+def test_two_slots_with_the_same_delay_are_right(random_llama, work, stage):
+    kw = dict(max_new_tokens=6, max_batch_tokens=32)
+    ref = minibatch.generate(random_llama, work, mode="sync", **kw)
+    for _ in range(3):
+        assert minibatch.generate(random_llama, work, mode="async", inject_delays={stage: 0.03}, **kw) == ref
+
+
+def test_decode_layout_gives_the_same_tokens(random_llama, work):
+    kw = dict(max_new_tokens=8, max_batch_tokens=32, block_size=4)
+    flat = minibatch.generate(random_llama, work, **kw)
+    random_llama.decode_layout = True
+    random_llama.kv_bucket = 8
+    try:
+        laid = minibatch.generate(random_llama, work, **kw)
+        laid_async = minibatch.generate(random_llama, work, mode="async", **kw)
+    finally:
+        random_llama.decode_layout, random_llama.kv_bucket = False, 1
+    assert laid == flat and laid_async == flat
+
+
+def test_padded_rows_give_the_same_tokens(random_llama, work, monkeypatch):
+    from minibatch import graphs
+    from minibatch.batch import build_batch
+
+    def padded(self, plan):  # the CUDA-graph layout (rows padded to a bucket), forced on the CPU
+        return build_batch(plan, self.cache, 8, True, graphs.ROW_BUCKETS)
+
+    kw = dict(max_new_tokens=8, max_batch_tokens=32, block_size=4)
+    flat = minibatch.generate(random_llama, work, **kw)
+    monkeypatch.setattr(graphs.StepRunner, "build", padded)
+    monkeypatch.setattr(random_llama, "kv_bucket", 8)
+    for mode in ("sync", "async"):
+        assert minibatch.generate(random_llama, work, mode=mode, **kw) == flat
+
+
+def test_bad_slot_and_delay_arguments(random_llama):
+    with pytest.raises(ValueError, match="num_slots"):
+        minibatch.generate(random_llama, [[1]], num_slots=3)
+    with pytest.raises(ValueError, match="inject_delays"):
+        minibatch.generate(random_llama, [[1]], inject_delays={"GPU": 1.0})
