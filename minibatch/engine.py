@@ -9,7 +9,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .async_loop import run_async
+from .batch import bucket
+from .device import get_device
+from .graphs import ROW_BUCKETS, StepRunner
 from .model import Model
+from .slots import IOSlot
+from .sync_loop import run_sync
 from .requests import Request, SamplingParams
 from .scheduler import Scheduler
 from .timeline import Timeline
@@ -108,33 +114,6 @@ def generate(
                 arrival_step=a)
         for i, (p, a) in enumerate(zip(token_lists, arrival_steps))
     ]
-    if num_blocks is None:
-        need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
-        num_blocks = sum(need[:max_batch_size])
-    cache = model.make_cache(num_blocks, block_size)
-    scheduler = Scheduler(cache.allocator, max_batch_tokens, max_batch_size)
-    for r in requests:
-        scheduler.add(r)
-    timeline = timeline if timeline is not None else Timeline()
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
-
-    user_on_step = on_step
-
-    def on_step(plan, done):
-        if bar is not None and done:
-            bar.update(len(done))
-        if user_on_step is not None:
-            user_on_step(plan, done)
-
-    from .device import get_device
-    from .batch import bucket
-    from .graphs import ROW_BUCKETS, StepRunner
-    from .slots import IOSlot
-
     if num_slots is None:
         num_slots = 2 if mode == "async" else 1
     if num_slots not in (1, 2):
@@ -143,25 +122,60 @@ def generate(
         raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
     if cuda_graphs is None:
         cuda_graphs = model.device.type == "cuda"
-    runner = StepRunner(model, cache, use_graphs=cuda_graphs)
+    if num_blocks is None:
+        need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
+        num_blocks = sum(need[:max_batch_size])
+    # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
+    rows = bucket(max_batch_size, ROW_BUCKETS)
+    width = -(-max(r.max_len + 1 for r in requests) // model.kv_bucket) * model.kv_bucket
+    shape = (num_blocks, block_size, max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket,
+                                                                        rows * width), rows, num_slots, cuda_graphs)
+    timeline = timeline if timeline is not None else Timeline()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
 
+    def step_done(plan, done):
+        if bar is not None and done:
+            bar.update(len(done))
+        if on_step is not None:
+            on_step(plan, done)
+
+    loop = run_sync if mode == "sync" else run_async
     try:
         with get_device(str(model.device), timeline) as dev:
+            cache, slots, runner = _resources(model, dev, shape)
+            scheduler = Scheduler(cache.allocator, max_batch_tokens, max_batch_size)
+            for r in requests:
+                scheduler.add(r)
             streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-            # capacities: the largest step, with the padding the graph layout may add (batch.py)
-            rows = bucket(max_batch_size, ROW_BUCKETS)
-            width = -(-max(r.max_len + 1 for r in requests) // model.kv_bucket) * model.kv_bucket
-            max_keys = max(num_blocks * block_size + model.kv_bucket, rows * width)
-            slots = [IOSlot(dev, i, max(max_batch_tokens, rows), max_keys, rows, model.device)
-                     for i in range(num_slots)]
-            if mode == "sync":
-                from .sync_loop import run_sync as loop
-            else:
-                from .async_loop import run_async as loop
-            loop(runner, scheduler, timeline, dev, streams, slots, on_step, timeout, inject_delays)
+            loop(runner, scheduler, timeline, dev, streams, slots, step_done, timeout, inject_delays)
             dev.flush_timeline()
     finally:
         if bar is not None:
             bar.close()
     assert cache.allocator.num_free == cache.allocator.num_blocks, "KV blocks leaked"
     return [r.output for r in requests]
+
+
+def _resources(model: Model, dev, shape: tuple):
+    """KV cache, IO slots and step runner for one run.
+
+    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last set is kept
+    on the model and reused by the next call of the same shape: graphs are captured once, not per call
+    (a server keeps its engine alive the same way). CUDA events carry no tie to the device object, so
+    the slots work with each call's new device. The cpu backend builds everything afresh each call.
+    """
+    if model.device.type == "cuda" and getattr(model, "_resources", (None,))[0] == shape:
+        cache = model._resources[1][0]
+        if cache.allocator.num_free == cache.allocator.num_blocks:  # not left dirty by a failed run
+            return model._resources[1]
+    num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs = shape
+    model.__dict__.pop("_resources", None)  # free the previous set before allocating a new one
+    cache = model.make_cache(num_blocks, block_size)
+    slots = [IOSlot(dev, i, max_tokens, max_keys, rows, model.device) for i in range(num_slots)]
+    made = (cache, slots, StepRunner(model, cache, use_graphs=cuda_graphs))
+    if model.device.type == "cuda":
+        model._resources = (shape, made)
+    return made
