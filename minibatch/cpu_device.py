@@ -19,15 +19,18 @@ query or synchronize on that device; like a CUDA error it is sticky (every later
 new device), and every worker drops its remaining work, so nothing hangs on an event that will never
 come. Every host wait takes a timeout.
 
-Why threads, and the two knobs (measured: notes/device_overlap.md, `python -m minibatch.cpu_device`):
-work launched on the device runs arbitrary Python closures over the model, the KV cache and the IO
-buffers, which only a thread of the same process can share; a device process would need every one of
-them in shared memory and every closure picklable. The price is the GIL. Torch ops release it while
-they compute, but the Python between them (a transformers forward has a lot) competes with the host's
-Python. Under the default 5 ms switch interval a GIL-releasing op waits up to 5 ms to get the GIL back
-each time it returns, so the host's Python loop starves the device; while a cpu device is open we set
-the interval to 0.2 ms (restored on close) and give torch one intra-op thread per spare core (1 on a
-2-core machine), so that the device thread and the host thread each keep a core instead of fighting.
+Why threads, and the knobs (notes/device_overlap.md; `taskset -c 0,1 python -m minibatch.cpu_device`):
+device work is arbitrary Python closures over the model, the KV cache and the IO buffers, which only
+a thread of the same process can share; a device process would need all of them in shared memory and
+every closure picklable. The price is the GIL: torch kernels release it, the Python around them does
+not. Host Python loop beside 384×384 matmuls on a stream, overlapped / sequential time on 2 cores
+(ideal 0.56): 0.92 at Python's default 5 ms switch interval (a kernel that returns waits up to 5 ms
+for the GIL), 0.60 at 0.2 ms, 0.58 at 0.05 ms; a forked process: 0.71 (ideal 0.70). So while a cpu
+device is open the interval is 0.2 ms (restored on close). Torch gets one intra-op thread per spare
+core (1 of 2), set in every worker too, since OpenMP/MKL thread counts are per thread; two intra-op
+threads beside the host thread gave 1.01 (no overlap). Python-bound work overlaps little at any
+interval: the tiny model's forward (mostly module-call overhead) gives 0.84-1.0, its Python and the
+host's Python take turns; the streams still run concurrently and races are still real.
 """
 
 from __future__ import annotations
@@ -296,84 +299,3 @@ class CpuDevice(Device):
                                          "than the timeout, or a wait on an event recorded after it?)")
             self._cv.wait(left)
 
-
-def measure_overlap(work: str = "forward", switch_interval: float = SWITCH_INTERVAL,
-                    torch_threads: int | None = None, reps: int = 7, seconds: float = 0.25,
-                    where: str = "thread") -> dict[str, float]:
-    """Host Python work beside device torch work: overlapped time / sequential time (medians of reps).
-
-    Host: building lists, like a scheduler. Device: the tiny model's forward on 4×64 tokens ("forward")
-    or 384×384 matmuls ("matmul"), launched on a cpu-device stream (where="thread") or, for reference,
-    run in a forked process (where="process", no sharing). Each side takes about `seconds` alone, so
-    the ideal ratio is about 0.5 and no overlap at all gives 1.0.
-    """
-    import multiprocessing
-    import statistics
-
-    def host(n: int) -> None:
-        for _ in range(n):
-            [j * 2 for j in range(100)]
-
-    if work == "forward":
-        from .model import load_model
-        hf, ids = load_model("tiny", device="cpu", dtype=torch.float32).hf, torch.randint(0, 256, (4, 64))
-
-        def device_work(n: int) -> None:
-            with torch.inference_mode():
-                for _ in range(n):
-                    hf(input_ids=ids)
-    else:
-        a, b, c = torch.randn(384, 384), torch.randn(384, 384), torch.empty(384, 384)
-
-        def device_work(n: int) -> None:
-            for _ in range(n):
-                torch.matmul(a, b, out=c)
-
-    def timed(f: Callable[[], Any]) -> float:
-        t = time.perf_counter()
-        f()
-        return time.perf_counter() - t
-
-    with CpuDevice(None, switch_interval, torch_threads) as dev:
-        s = dev.stream("compute")
-        if where == "process":
-            ctx = multiprocessing.get_context("fork")
-            start = lambda n: (p := ctx.Process(target=device_work, args=(n,)), p.start(), p)[-1]  # noqa: E731
-            finish = lambda p: p.join(60)  # noqa: E731
-        else:
-            start = lambda n: s.launch(device_work, n)  # noqa: E731
-            finish = lambda _: s.synchronize(60)  # noqa: E731
-        sizes = {}
-        for side, f in (("host", host), ("device", lambda n: finish(start(n)))):
-            f(1)  # warm-up
-            n, t = 1, 0.0
-            while t < 0.05:  # grow until the timing is long enough to trust, then scale to `seconds`
-                n *= 2
-                t = timed(lambda: f(n))
-            t = min(t, *(timed(lambda: f(n)) for _ in range(2)))  # a preempted timing would undersize
-            sizes[side] = max(1, int(n * seconds / t))
-        rows = []
-        for _ in range(reps):
-            th = timed(lambda: host(sizes["host"]))
-            td = timed(lambda: finish(start(sizes["device"])))
-
-            def both() -> None:
-                job = start(sizes["device"])
-                host(sizes["host"])
-                finish(job)
-            rows.append((th, td, timed(both)))
-    med = [statistics.median(col) for col in zip(*rows)]
-    return {"host_s": med[0], "device_s": med[1], "overlapped_s": med[2],
-            "ratio": statistics.median(o / (h + d) for h, d, o in rows),
-            "ideal": statistics.median(max(h, d) / (h + d) for h, d, _ in rows)}
-
-
-if __name__ == "__main__":  # python -m minibatch.cpu_device: the table in notes/device_overlap.md
-    print(f"{len(os.sched_getaffinity(0))} cores usable, load average {os.getloadavg()[0]:.2f}")
-    print("work     torch_threads  switch_ms  where    host_s  device_s  overlapped_s  ratio  ideal")
-    for work in ("matmul", "forward"):
-        for threads, where, interval in ((1, "thread", 0.005), (1, "thread", 0.001), (1, "thread", 0.0002),
-                                         (1, "thread", 0.00005), (2, "thread", 0.0002), (1, "process", 0.005)):
-            r = measure_overlap(work, interval, threads, reps=9, where=where)
-            print(f"{work:8s} {threads:13d} {interval * 1e3:10.2f}  {where:7s} {r['host_s']:7.3f} "
-                  f"{r['device_s']:9.3f} {r['overlapped_s']:13.3f} {r['ratio']:6.2f} {r['ideal']:6.2f}", flush=True)

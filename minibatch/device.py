@@ -25,6 +25,9 @@ and all later work waits for it: concurrency gone (notebook 02).
         `torch.cuda.stream(s)`, `fn` enqueues kernels and returns. Named streams are created with
         cudaStreamCreate, i.e. *blocking* with respect to the legacy default stream, so the default
         stream serializes for real, as in the article (PyTorch's own pool streams are non-blocking).
+        CUDA loads a kernel's module on its first launch, and that load waits for the GPU: warm a
+        kernel up before racing or timing it. `synchronize(timeout=None)` is CUDA's blocking wait;
+        with a timeout it polls the event (every ≤ 0.2 ms), as CUDA has no timed wait.
   cpu   an emulated device (minibatch/cpu_device.py): a worker thread per stream, really concurrent.
 
 Work writes its results into preallocated tensors (`dev.empty`, `dev.pin`); return values are dropped.
