@@ -76,10 +76,11 @@ def bench_cmd(args) -> None:
                     cuda_graphs=args.cuda_graphs)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
               progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
-    if args.warmup:
-        bench.run_mode(model, prompts[: min(4, len(prompts))], args.modes[0], 4,
-                       max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                       cuda_graphs=kw["cuda_graphs"])
+    if args.warmup:  # untimed: first launches, cuDNN plans, and (graphs on) the CUDA graph captures
+        for mode in args.modes:
+            full = model.device.type == "cuda" and args.cuda_graphs != "off"
+            bench.run_mode(model, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
+                           **{**kw, "progress": False})
     results, outs = [], {}
     for mode in args.modes:
         r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)

@@ -167,15 +167,18 @@ def _resources(model: Model, dev, shape: tuple):
     (a server keeps its engine alive the same way). CUDA events carry no tie to the device object, so
     the slots work with each call's new device. The cpu backend builds everything afresh each call.
     """
-    if model.device.type == "cuda" and getattr(model, "_resources", (None,))[0] == shape:
-        cache = model._resources[1][0]
+    kept: dict = model.__dict__.setdefault("_resources", {})  # shape -> (cache, slots, runner), at most 2
+    if model.device.type == "cuda" and shape in kept:
+        cache = kept[shape][0]
         if cache.allocator.num_free == cache.allocator.num_blocks:  # not left dirty by a failed run
-            return model._resources[1]
+            return kept[shape]
     num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs = shape
-    model.__dict__.pop("_resources", None)  # free the previous set before allocating a new one
+    kept.pop(shape, None)
+    while len(kept) >= 2:  # keep two sets (e.g. a sync and an async run), free older ones first
+        kept.pop(next(iter(kept)))
     cache = model.make_cache(num_blocks, block_size)
     slots = [IOSlot(dev, i, max_tokens, max_keys, rows, model.device) for i in range(num_slots)]
     made = (cache, slots, StepRunner(model, cache, use_graphs=cuda_graphs))
     if model.device.type == "cuda":
-        model._resources = (shape, made)
+        kept[shape] = made
     return made
