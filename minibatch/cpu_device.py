@@ -76,10 +76,10 @@ def _release_settings() -> None:
 class _Work:
     """One queued item: `run` executes outside the device lock, `deps` are checked under it."""
 
-    __slots__ = ("kind", "run", "deps", "reaches", "what")
+    __slots__ = ("run", "deps", "reaches", "what")
 
-    def __init__(self, kind: str, run: Callable[[], Any] | None, what: str) -> None:
-        self.kind, self.run, self.what = kind, run, what
+    def __init__(self, run: Callable[[], Any] | None, what: str) -> None:
+        self.run, self.what = run, what
         self.deps: list[Callable[[], bool]] = []   # all must be true before the item starts
         self.reaches: tuple[CpuEvent, int] | None = None  # a record: (event, sequence number)
 
@@ -127,7 +127,7 @@ class CpuStream(Stream):
             if timeline is not None:
                 timeline.add(lane, name, start, timeline.now(), step, slot)
 
-        self._enqueue(_Work("launch", run, name))
+        self._enqueue(_Work(run, name))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str = "H2D", lane: str = "H2D",
              step: int = -1, slot: int = -1) -> None:
@@ -137,14 +137,14 @@ class CpuStream(Stream):
         ev = self.dev._own(event)
         with self.dev._cv:
             ev._recorded += 1
-            work = _Work("record", None, "record")
+            work = _Work(None, "record")
             work.reaches = (ev, ev._recorded)
             self._enqueue(work)
 
     def wait(self, event: Event) -> None:
         ev = self.dev._own(event)
         with self.dev._cv:
-            work = _Work("wait", None, "wait")
+            work = _Work(None, "wait")
             target = ev._recorded  # a never-recorded event is already reached, as in CUDA
             work.deps.append(lambda: ev._done(target))
             self._enqueue(work)
@@ -159,7 +159,7 @@ class CpuStream(Stream):
             if timeline is not None and lane is not None:
                 timeline.add(lane, name, start, timeline.now(), step, slot)
 
-        self._enqueue(_Work("sleep", run, f"sleep({seconds})"))
+        self._enqueue(_Work(run, f"sleep({seconds})"))
 
     def synchronize(self, timeout: float | None = None) -> None:
         with self.dev._cv:

@@ -22,22 +22,21 @@ on `dev.default_stream` (the legacy default stream) and it waits for all earlier
 and all later work waits for it: concurrency gone (notebook 02).
 
   cuda  thin wrappers over torch.cuda streams and events; `launch` calls `fn` at once inside
-        `torch.cuda.stream(s)`, `fn` enqueues kernels and returns. Named streams are created with
-        cudaStreamCreate, i.e. *blocking* with respect to the legacy default stream, so the default
-        stream serializes for real, as in the article (PyTorch's own pool streams are non-blocking).
-        CUDA loads a kernel's module on its first launch, and that load waits for the GPU: warm a
-        kernel up before racing or timing it. `synchronize(timeout=None)` is CUDA's blocking wait;
-        with a timeout it polls the event (every ≤ 0.2 ms), as CUDA has no timed wait.
+        `torch.cuda.stream(s)`, `fn` enqueues kernels and returns. Named streams come from
+        cudaStreamCreate, *blocking* with respect to the legacy default stream, so the default stream
+        serializes for real, as in the article (PyTorch's own pool streams are non-blocking). CUDA
+        loads a kernel on its first launch and that load waits for the GPU: warm kernels up before
+        racing or timing them. A wait with a timeout polls the event (CUDA has no timed wait).
   cpu   an emulated device (minibatch/cpu_device.py): a worker thread per stream, really concurrent.
 
 Work writes its results into preallocated tensors (`dev.empty`, `dev.pin`); return values are dropped.
-A failure inside device work is raised in the host as `DeviceError`; a wait past its timeout raises
+A failure in device work is raised in the host as `DeviceError`; a wait past its timeout raises
 `DeviceTimeoutError` (a `DeviceError` and a `TimeoutError`).
 
 Timeline spans: each launch/copy becomes a span on its `lane` with `name`, `step`, `slot`. The cpu
-workers add them as they finish; on cuda each launch is bracketed by timing events, converted to the
-host clock through one reference event taken at a synchronize, and added by `flush_timeline()` (called
-by every synchronize; it never forces one), so recording a timeline never adds a sync point.
+workers add theirs as they finish; on cuda, timing events around each launch are converted to the host
+clock through one reference event (taken at a synchronize when the device opens) and added by
+`flush_timeline()`, which every synchronize calls and which never waits, so spans add no sync point.
 """
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ class Device:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} streams={sorted(getattr(self, '_streams', {}))}>"
+        return f"<{type(self).__name__} streams={sorted(self._streams)}>"
 
 
 def get_device(kind: str = "cpu", timeline=None, **options) -> Device:
@@ -115,18 +114,16 @@ _cycles_per_second: dict[int, float] = {}
 
 def _sleep_rate(device: torch.device) -> float:
     """GPU clock cycles per second for torch.cuda._sleep, measured once per GPU."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _cycles_per_second:
-        with torch.cuda.device(index):
-            cycles = 20_000_000
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(cycles)  # warm-up: the first kernel launch is slow
+    if device.index not in _cycles_per_second:
+        with torch.cuda.device(device):
+            cycles, start, end = 20_000_000, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)  # warm-up: the first launch loads the kernel
             start.record()
             torch.cuda._sleep(cycles)
             end.record()
             end.synchronize()
-            _cycles_per_second[index] = cycles / (start.elapsed_time(end) / 1e3)
-    return _cycles_per_second[index]
+            _cycles_per_second[device.index] = cycles / (start.elapsed_time(end) / 1e3)
+    return _cycles_per_second[device.index]
 
 
 _free_streams: dict[int, list[torch.cuda.Stream]] = {}  # blocking streams of closed devices, for reuse
@@ -234,17 +231,12 @@ class CudaDevice(Device):
         self._pending: list[tuple] = []  # (start event, end event, lane, name, step, slot)
         self._closed = False
         self._ref: tuple[torch.cuda.Event, float] | None = None
-        if timeline is not None:
-            self._align()
-
-    def _align(self) -> None:
-        """Pair a GPU timestamp with the host clock: at an idle moment, record an event and read the clock."""
-        torch.cuda.synchronize(self.device)
-        ref = torch.cuda.Event(enable_timing=True)
-        host = self.timeline.now()
-        ref.record(self.default_stream.stream)
-        ref.synchronize()
-        self._ref = (ref, host)
+        if timeline is not None:  # pair a GPU timestamp with the host clock, once, with the GPU idle
+            torch.cuda.synchronize(self.device)
+            ref, host = torch.cuda.Event(enable_timing=True), timeline.now()
+            ref.record(self.default_stream.stream)
+            ref.synchronize()
+            self._ref = (ref, host)
 
     def _span_start(self) -> torch.cuda.Event | None:
         if self.timeline is None:
@@ -289,11 +281,9 @@ class CudaDevice(Device):
         if timeout is None:
             _wrap("device synchronize", lambda: torch.cuda.synchronize(self.device))
         else:
-            events = []
-            for s in self._streams.values():
-                ev = self.event()
+            events = [self.event() for _ in self._streams]
+            for s, ev in zip(self._streams.values(), events):
                 s.record(ev)
-                events.append(ev)
             deadline = time.monotonic() + timeout
             for ev in events:
                 ev.synchronize(max(0.0, deadline - time.monotonic()))

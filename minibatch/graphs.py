@@ -50,8 +50,11 @@ class StepRunner:
         self.captures: list[dict] = []  # one record per capture: key and pool memory growth
 
     def build(self, plan: BatchPlan):
-        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout,
-                           ROW_BUCKETS if self.use_graphs else ())
+        # rows are padded on a GPU with or without graphs: the same shapes give the same bf16 rounding,
+        # so a graph run and an eager run give the same tokens (a different row count can flip a
+        # near-tie argmax in bf16: cuBLAS picks kernels by shape)
+        rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
+        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows)
 
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""
@@ -95,8 +98,9 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
     prefill = sched.schedule()
     runner = StepRunner(model, cache, use_graphs=True)
     with get_device(str(model.device)) as dev:
-        slots = [IOSlot(dev, i, rows * (context + 1), cache.num_slots + model.kv_bucket, rows, model.device)
-                 for i in range(2)]
+        width = -(-(context + 2) // model.kv_bucket) * model.kv_bucket
+        slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_slots + model.kv_bucket, rows * width), rows,
+                        model.device) for i in range(2)]
         slots[0].load(runner.build(prefill), [])
         slots[0].copy_in(dict(slots[0].sizes))
         runner(slots[0].bind(None))  # prefill, eager

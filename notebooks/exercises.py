@@ -48,3 +48,91 @@ def check_01(tokens_per_step) -> None:
     assert list(got) == expected, f"expected {expected}, got {list(got)}"
     assert max(got) <= 8, "a step never processes more than max_batch_tokens"
     print("✓ correct")
+
+
+def _device_ops(fn, *args) -> list[str]:
+    """The aten ops fn runs on these tensors; '[bool]' marks indexing with a boolean mask."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+            masked = "index" in func.__name__ and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                                      for a in flat[1:])
+            ops.append(func.__name__ + ("[bool]" if masked else ""))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn(*args)
+    return ops
+
+
+def check_05(scatter_carry_over) -> None:
+    """scatter_carry_over(input_ids, prev_output, mask) -> new ids with the carried tokens written in."""
+    if _not_yet(scatter_carry_over, "scatter_carry_over"):
+        return
+    import torch
+
+    from minibatch.carry_over import apply_carry_over
+
+    g = torch.Generator().manual_seed(5)
+    cases = [([0, 5, 6, 0], [17, 42, 99], [3, -1, 0]), ([0], [7], [0]), ([1, 2, 3], [9, 9], [-1, -1]),
+             ([0, 0, 4], [11, 12, 13, 14], [1, 0])]  # the last: prev_output longer than the mask
+    for _ in range(20):
+        t, r = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g))
+        dest = torch.randperm(t + r, generator=g)[:r]
+        mask = torch.where(dest < t, dest, -1)
+        ids = torch.randint(1, 256, (t,), generator=g)
+        ids[mask[mask >= 0]] = 0
+        cases.append((ids.tolist(), torch.randint(0, 260, (r,), generator=g).tolist(), mask.tolist()))
+    for ids, out, mask in cases:
+        ids_t, out_t, mask_t = torch.tensor(ids), torch.tensor(out), torch.tensor(mask)
+        want = torch.empty_like(ids_t)
+        apply_carry_over(want, ids_t, out_t, mask_t)
+        got = scatter_carry_over(ids_t, out_t, mask_t)
+        assert isinstance(got, torch.Tensor), f"return a tensor, got {type(got).__name__}"
+        assert ids_t.tolist() == ids, "return a new tensor: do not modify input_ids in place"
+        assert got.shape == ids_t.shape, f"the result must have batch N+1's length {len(ids)}, got {tuple(got.shape)}"
+        assert got.tolist() == want.tolist(), (f"input_ids={ids}, prev_output={out}, mask={mask}: expected "
+                                               f"{want.tolist()}, got {got.tolist()} (rows with mask -1 go nowhere; "
+                                               "only the first len(mask) rows of prev_output count)")
+    # device-friendly: the same ops whatever the data, no host sync, no data-dependent shapes
+    runs = [_device_ops(scatter_carry_over, torch.tensor(i), torch.tensor([5, 6, 8, 9]), torch.tensor(m))
+            for i, m in (([0, 0, 7, 0], [0, 1, 3, -1]), ([1, 2, 7, 3], [-1, -1, -1, -1]))]
+    ops = set(runs[0] + runs[1])
+    assert not any(o.startswith("_local_scalar_dense") for o in ops), ("correct values, but your function reads tensor values on the host "
+                                              "(.item(), int(t), `if t >= 0`): on a GPU each is a synchronization")
+    assert not any(o.endswith("[bool]") or o.startswith(("nonzero", "masked_select")) for o in ops), (
+        "correct values, but boolean indexing (or nonzero / masked_select) gives a tensor whose size depends on "
+        "the data: on a GPU that is a hidden synchronization, and a CUDA graph cannot hold it")
+    assert runs[0] == runs[1], ("correct values, but your function runs different device ops for different masks "
+                                "(a Python loop or branch over the rows?): a CUDA graph needs the same ops every step")
+    print("✓ correct")
+
+
+def check_06(compute_gaps) -> None:
+    """compute_gaps(tl) -> for each step N >= 1, idle seconds between compute N-1's end and compute N's start."""
+    if _not_yet(compute_gaps, "compute_gaps"):
+        return
+    from minibatch.timeline import Timeline
+
+    tl = Timeline()
+    # steps 0..4 on the compute lane, added out of order, with other lanes and names around them
+    for lane, name, start, end, step in [
+            ("compute", "compute", 0.30, 0.40, 2), ("CPU", "prepare", 0.00, 0.05, 0),
+            ("compute", "compute", 0.10, 0.20, 0), ("H2D", "H2D", 0.05, 0.06, 0),
+            ("compute", "delay", 0.20, 0.25, 1), ("compute", "compute", 0.25, 0.30, 1),
+            ("compute", "compute", 0.38, 0.50, 3), ("CPU", "wait", 0.20, 0.60, 3),
+            ("compute", "compute", 0.65, 0.70, 4), ("D2H", "D2H", 0.50, 0.51, 3)]:
+        tl.add(lane, name, start, end, step)
+    expected = [0.05, 0.0, 0.0, 0.15]
+    got = compute_gaps(tl)
+    assert len(got) == len(expected), (f"expected {len(expected)} gaps (one per step from step 1 on), got {len(got)}; "
+                                       "use only spans named 'compute'")
+    for n, (g, e) in enumerate(zip(got, expected), start=1):
+        assert abs(g - e) < 1e-9, (f"step {n}: expected a gap of {e:.2f} s, got {g:.2f} s (sort the compute spans by "
+                                   "step; a gap is never negative)")
+    print("✓ correct")
