@@ -15,9 +15,8 @@ def prompts(n, vocab, seed=0):
     return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
 
 
-@pytest.mark.parametrize("name, dtype", [("random-llama", torch.float32), ("llama3-1b-shape", torch.bfloat16)])
-def test_graphs_same_tokens_as_eager(name, dtype):
-    model = minibatch.load_model(name, device="cuda", dtype=dtype)
+def test_graphs_same_tokens_as_eager_float32():
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
     work = prompts(12, model.vocab_size)
     kw = dict(max_new_tokens=20, max_batch_size=8, max_batch_tokens=64)
     eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
@@ -26,6 +25,20 @@ def test_graphs_same_tokens_as_eager(name, dtype):
     sampled = dict(temperature=0.8, top_p=0.9, seed=4, **kw)
     assert (minibatch.generate(model, work, mode="async", **sampled)
             == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
+
+
+def test_bf16_sync_and_async_with_graphs_agree():
+    """bf16: sync and async replay the same graphs on the same shapes, so they agree exactly.
+
+    (A bf16 graph run and a bf16 eager run need not: cuBLAS may pick other kernels while capturing, and
+    a random-weight model's near-flat logits turn that rounding into different argmaxes. Seen on the
+    H200, 2026-11-29, llama3-1b-shape: 1 request of 12 diverged at its 8th token. Exact parity across
+    kernels is checked in float32 above.)
+    """
+    model = minibatch.load_model("llama3-1b-shape", device="cuda", dtype=torch.bfloat16)
+    work = prompts(12, model.vocab_size)
+    kw = dict(max_new_tokens=20, max_batch_size=8, max_batch_tokens=64, cuda_graphs=True)
+    assert minibatch.generate(model, work, mode="async", **kw) == minibatch.generate(model, work, mode="sync", **kw)
 
 
 def test_async_matches_hf_generate_on_gpu():
@@ -53,8 +66,10 @@ def test_shared_pool_costs_about_one_graph():
     shared = pool_memory(model, rows=16, context=256, shared=True)
     separate = pool_memory(model, rows=16, context=256, shared=False)
     print(f"\npool growth per capture (bytes): shared {shared}, separate {separate}")
-    assert separate[1] > 0.5 * separate[0]  # a second private pool costs about as much as the first
-    assert shared[1] < 0.25 * shared[0]  # the shared pool: the second graph costs little
+    # H200, 2026-11-29: shared [130023424, 12582912], separate [-20971520, 134217728] (the first separate
+    # capture's growth is negative: the allocator released cached blocks as the capture began)
+    assert separate[1] > 0.5 * shared[0]  # a second private pool costs about as much as one graph
+    assert shared[1] < 0.25 * shared[0]  # in the shared pool the second graph costs little
 
 
 def test_device_clock_spans_on_gpu():
