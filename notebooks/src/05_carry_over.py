@@ -23,6 +23,7 @@ from minibatch.requests import Request, RequestState, SamplingParams
 from minibatch.scheduler import Scheduler
 
 torch.manual_seed(0)
+torch.set_num_threads(1)  # the tiny model gains nothing from more; on a busy 2-core machine two threads stall
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 EOS = tok.eos_token_id
@@ -264,9 +265,8 @@ assert fixed == reference and broken != reference
 print("with carry-over, one step behind == the synchronous loop ✓")
 
 # %% [markdown]
-# Without carry-over every generated token is followed, in the model's memory, by a NUL byte
-# instead of itself: the model sees "A class definition\0\0\0…" and its output dissolves into
-# punctuation. No error, no crash, just wrong text, which is why a test that compares against the
+# Without carry-over the model never sees the tokens it generates: each one reaches it as a NUL
+# byte, so it reads "A class definition\0\0\0…" and its output dissolves into punctuation. No error, no crash, just wrong text, which is why a test that compares against the
 # synchronous loop (`tests/test_async.py`) is the only way to catch this kind of bug. With
 # carry-over the text is byte for byte the synchronous loop's.
 #
@@ -292,6 +292,8 @@ assert outs == reference
 print("outputs stop exactly where the synchronous loop's stop ✓")
 
 # %% [markdown]
+# (The dropped token is BOS: after the end of a paragraph, this model likes to start a new one.)
+#
 # Two more things happen behind the scenes. The request's KV blocks are freed when the host
 # updates batch N, while batch N+1 (still running) writes that extra token's key and value into
 # them. That is harmless: the device runs batches in order, so batch N+1 is done before any later

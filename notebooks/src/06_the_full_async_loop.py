@@ -322,23 +322,24 @@ for name, extra in [("tiny model, emulated on CPU", {}),
           f"{a['wall'] / s['wall']:>10.2f}")
 
 # %% [markdown]
-# What we measured on the 2-core machine that made the stored outputs (the ratios move by about
-# ±0.1 from run to run there): with the tiny model as it is, the device-busy fraction rises from
-# about 80% to about 95%, yet the asynchronous loop is **not faster**: wall-time ratios between
-# 0.95 and 1.2, and each compute span about 1.2 to 1.3 times longer than in the synchronous run.
-# That is not a bug in the loop, it is the machine:
+# What we saw on the 2-core machine that made the stored outputs, a machine shared with other
+# jobs, so the numbers moved a lot from run to run: with the tiny model as it is, the device-busy
+# fraction goes up (from about 80% to 85–97%), yet the asynchronous loop is **not faster**:
+# wall-time ratios from 0.95 to 1.4, with each compute span 1.2 to 1.5 times longer than in the
+# synchronous run. That is not a bug in the loop, it is the machine:
 #
 # * the emulated device is a thread in the same Python process, so its forward pass (plenty of
 #   Python inside transformers) and the host's scheduling take turns holding the GIL;
-# * there are only two cores: while the host prepares, the device's matrix multiplications have one
-#   core instead of two, so each compute span gets longer (section 3's figure);
+# * there are only two cores, shared by the host thread, the device's stream threads and whatever
+#   else runs on the machine: a forward pass that has the processor to itself in the synchronous
+#   loop shares it in the asynchronous one, so each compute span gets longer (section 3's figure);
 # * "device busy" counts the time the device thread *has work*, not how fast it gets through it.
 #
 # Overlap pays when the two sides do not compete for the same resource. With 5 ms of device time
 # per step that needs no CPU (the injected delay is a sleep), the host's preparation hides under the
-# device's work and the asynchronous loop finishes first, by about 10% here (ratios of 0.86 to
-# 0.96): roughly the host's share of a synchronous step. That is the situation on a GPU: the GPU
-# computes while the CPU is free to prepare the next batch.
+# device's work and the asynchronous loop finishes first: ratios from 0.77 to 0.96 in our runs,
+# about the host's share of a synchronous step. That is the situation on a GPU: the GPU computes
+# while the CPU is free to prepare the next batch.
 #
 # ## 6. On a real GPU
 #
