@@ -19,7 +19,7 @@ query or synchronize on that device; like a CUDA error it is sticky (every later
 new device), and every worker drops its remaining work, so nothing hangs on an event that will never
 come. Every host wait takes a timeout.
 
-Why threads, and the knobs (notes/device_overlap.md; `taskset -c 0,1 python -m minibatch.cpu_device`):
+Why threads, and the knobs (measured on 2 idle cores; script, command and tables: notes/device_overlap.md):
 device work is arbitrary Python closures over the model, the KV cache and the IO buffers, which only
 a thread of the same process can share; a device process would need all of them in shared memory and
 every closure picklable. The price is the GIL: torch kernels release it, the Python around them does

@@ -116,7 +116,8 @@ def _sleep_rate(device: torch.device) -> float:
     """GPU clock cycles per second for torch.cuda._sleep, measured once per GPU."""
     if device.index not in _cycles_per_second:
         with torch.cuda.device(device):
-            cycles, start, end = 20_000_000, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 20_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(cycles)  # warm-up: the first launch loads the kernel
             start.record()
             torch.cuda._sleep(cycles)

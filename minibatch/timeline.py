@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 LANES = ("CPU", "H2D", "compute", "D2H")
 DEVICE_LANES = ("H2D", "compute", "D2H")
 COLORS = {"prepare": "#4C72B0", "update": "#55A868", "H2D": "#C44E52", "compute": "#8172B2",
-          "D2H": "#CCB974", "wait": "#BBBBBB"}
+          "D2H": "#CCB974", "wait": "#BBBBBB", "delay": "#E1812C"}
 
 
 @dataclass
