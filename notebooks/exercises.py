@@ -136,3 +136,17 @@ def check_06(compute_gaps) -> None:
         assert abs(g - e) < 1e-9, (f"step {n}: expected a gap of {e:.2f} s, got {g:.2f} s (sort the compute spans by "
                                    "step; a gap is never negative)")
     print("✓ correct")
+
+
+def check_04(graph_shape) -> None:
+    """graph_shape(rows, longest_context, kv_bucket) -> (padded rows, keys per row)."""
+    if _not_yet(graph_shape, "graph_shape"):
+        return
+    from minibatch.batch import bucket
+    from minibatch.graphs import ROW_BUCKETS
+
+    for rows, ctx, kb in [(13, 700, 256), (1, 0, 256), (32, 255, 256), (33, 256, 128), (5, 10, 1)]:
+        want = (bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb)
+        got = tuple(graph_shape(rows, ctx, kb))
+        assert got == want, f"graph_shape({rows}, {ctx}, {kb}) = {got}, expected {want}"
+    print("✓ correct")
