@@ -89,11 +89,20 @@ def bench_cmd(args) -> None:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             tl.save(Path(args.out) / f"timeline_{mode}.json")
+    if args.hf:
+        r, o = bench.hf_generate_batch(model, prompts, args.max_new_tokens)
+        results.append(r)
+        outs["hf_cb"] = o
     print(json.dumps(bench.environment(model)))
     print(bench.format_table(results))
     if len(outs) > 1:
-        same = all(o == outs[args.modes[0]] for o in outs.values())
-        print(f"tokens identical across modes: {same}")
+        for mode, o in outs.items():
+            same = sum(a == b for a, b in zip(o, outs[args.modes[0]]))
+            print(f"{mode}: {same}/{len(o)} requests with the same tokens as {args.modes[0]}")
+    if args.floor:
+        floor = bench.weight_floor_ms(model, args.max_batch_size)
+        print(f"weight-streaming floor at batch {args.max_batch_size}: {floor:.2f} ms per step")
+        workload["weight_floor_ms"] = floor
     if args.out:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
 
@@ -124,6 +133,8 @@ def main(argv=None) -> None:
     b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay decode steps as CUDA graphs (auto: on for CUDA)")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--hf", action="store_true", help="also run transformers' generate_batch (default config)")
+    b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)

@@ -70,3 +70,59 @@ def save_json(path, model: Model, results: list[Result], workload: dict) -> None
     with open(path, "w") as f:
         json.dump({"environment": environment(model), "workload": workload,
                    "results": [asdict(r) for r in results]}, f, indent=2)
+
+
+def hf_generate_batch(model: Model, prompts, max_new_tokens: int) -> tuple[Result, list]:
+    """The same workload through transformers' own continuous batching (`generate_batch`), default config.
+
+    The model's attention implementation is switched to transformers' paged one for the call, then back.
+    """
+    from transformers import GenerationConfig
+
+    from .model import ATTN_NAME
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    model.hf.set_attn_implementation("sdpa" if (major, minor) >= (5, 23) else "paged|sdpa")
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    try:
+        t0 = time.perf_counter()
+        out = model.hf.generate_batch([list(p) for p in prompts], generation_config=cfg, progress_bar=False)
+        wall = time.perf_counter() - t0
+    finally:
+        model.hf.set_attn_implementation(ATTN_NAME)
+    tokens = [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
+    n = sum(len(t) for t in tokens)
+    return Result("hf_cb", wall, n, n / wall, float("nan"), float("nan"), 0), tokens
+
+
+def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:
+    """Milliseconds to push `batch` rows through every Linear layer once: a decode step's lower bound.
+
+    On a GPU all the matmuls are captured in one CUDA graph, so launch overhead does not count; what
+    is left is reading every weight once from memory.
+    """
+    linears = [m for m in model.hf.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {n: torch.randn(batch, n, device=model.device, dtype=model.dtype)
+              for n in {m.in_features for m in linears}}
+
+    def all_layers():
+        for m in linears:
+            m(inputs[m.in_features])
+
+    with torch.inference_mode():
+        all_layers()
+        run = all_layers
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                all_layers()
+            run = graph.replay
+            run()
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats * 1e3
