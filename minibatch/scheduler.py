@@ -68,6 +68,7 @@ class Scheduler:
         self.pending: list[Request] = []  # not arrived yet (arrival_step in the future)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, not finished, in admission order
+        self.retiring: list[Request] = []  # last token in flight: seat and KV blocks already given back
         self.finished: list[Request] = []
         self.step = 0
 
@@ -85,7 +86,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending)
+        return bool(self.waiting or self.running or self.pending or self.retiring)
 
     def has_unplanned_work(self) -> bool:
         """Is there anything a new step could do? (False while only in-flight tokens are pending.)"""
@@ -106,6 +107,7 @@ class Scheduler:
     def schedule(self) -> BatchPlan:
         """Plan the next step and advance the bookkeeping as if it had already run."""
         self._arrivals()
+        self._retire_length_finished()
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         # 1. decoding requests first: one token each, so ongoing generations never stall
@@ -139,6 +141,20 @@ class Scheduler:
         self.step += 1
         return plan
 
+    def _retire_length_finished(self) -> None:
+        """Give back the seat and blocks of requests whose last token is being sampled right now.
+
+        Only the async loop meets such requests here (the sync loop has applied every token before it
+        plans). Their length is known, so they need no more KV cache and no seat, exactly as in the sync
+        loop, where they are gone by now: both loops then plan the same batches, token for token, until
+        an EOS surprises the async one. Handing their blocks to a newcomer in the next step is safe: the
+        device runs the step in flight, the last one that writes them for the old owner, first.
+        """
+        for r in [r for r in self.running if r.state == RequestState.DECODING and r.num_sampled >= r.max_new_tokens]:
+            self.running.remove(r)
+            self.allocator.free(r.blocks)
+            self.retiring.append(r)
+
     @staticmethod
     def _prefill_chunk(r: Request, budget: int) -> ScheduledChunk:
         end = min(len(r.prompt), r.num_computed + budget)
@@ -158,7 +174,10 @@ class Scheduler:
             if r.state == RequestState.FINISHED:
                 done.append(r)
         for r in done:
-            self.allocator.free(r.blocks)
-            self.running.remove(r)
+            if r in self.retiring:
+                self.retiring.remove(r)  # seat and blocks were given back when it was planned
+            else:
+                self.allocator.free(r.blocks)
+                self.running.remove(r)
             self.finished.append(r)
         return done

@@ -75,3 +75,17 @@ def test_stress_hundreds_of_requests(random_llama):
                               eos_token_id=7, arrival_steps=[i // 10 for i in range(300)])
     assert len(outs) == 300 and all(1 <= len(o) <= 3 for o in outs)
     assert {s.slot for s in tl.spans if s.lane == "compute"} == {0, 1}  # both slots in use
+
+
+def test_without_eos_async_plans_the_same_batches_as_sync(random_llama):
+    """More requests than seats, no EOS: both loops plan identical steps (same rows, same shapes), which
+    is what lets bf16 runs on a GPU agree token for token (tests/test_gpu.py)."""
+    prompts = prompts_of([3, 17, 8, 25, 4, 11, 30, 6, 9, 2, 14, 20], seed=7)
+    plans = {}
+    for mode in ("sync", "async"):
+        seen = []
+        minibatch.generate(random_llama, prompts, mode=mode, max_new_tokens=7, max_batch_size=4,
+                           max_batch_tokens=16, on_step=lambda plan, done: seen.append(
+                               [(c.request.rid, c.start, c.end) for c in plan.chunks]))
+        plans[mode] = seen
+    assert plans["async"] == plans["sync"]
