@@ -266,9 +266,10 @@ print("with carry-over, one step behind == the synchronous loop ✓")
 
 # %% [markdown]
 # Without carry-over the model never sees the tokens it generates: each one reaches it as a NUL
-# byte, so it reads "A class definition\0\0\0…" and its output dissolves into punctuation. No error, no crash, just wrong text, which is why a test that compares against the
-# synchronous loop (`tests/test_async.py`) is the only way to catch this kind of bug. With
-# carry-over the text is byte for byte the synchronous loop's.
+# byte, so it reads "A class definition\0\0\0…" and its output dissolves into punctuation. No
+# error, no crash, just wrong text, which is why a test that compares against the synchronous loop
+# (`tests/test_async.py`) is what catches this kind of bug. With carry-over the text is
+# byte for byte the synchronous loop's.
 #
 # ## 6. EOS in flight
 #
