@@ -69,6 +69,10 @@ class StepRunner:
         self.graphs[args.key] = self._capture(args)
 
     def _capture(self, args: StepArgs) -> torch.cuda.CUDAGraph:
+        # torch.cuda.graph empties the allocator's cache as it starts; do it first, so that the growth
+        # measured below is the graph's own (and never negative)
+        torch.cuda.synchronize(self.model.device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.model.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):  # synchronizes the device first
