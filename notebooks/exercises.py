@@ -150,3 +150,78 @@ def check_04(graph_shape) -> None:
         got = tuple(graph_shape(rows, ctx, kb))
         assert got == want, f"graph_shape({rows}, {ctx}, {kb}) = {got}, expected {want}"
     print("✓ correct")
+
+
+def check_02(max_concurrency) -> None:
+    """max_concurrency(tl) -> the largest number of spans of a Timeline running at the same moment."""
+    if _not_yet(max_concurrency, "max_concurrency"):
+        return
+    from minibatch.device import get_device
+    from minibatch.timeline import Timeline
+
+    cases = [  # (spans as (lane, start, end), expected); not sorted on purpose
+        ([("A", 0.0, 1.0)], 1),
+        ([("B", 0.5, 1.5), ("A", 0.0, 1.0)], 2),
+        ([("A", 0.0, 1.0), ("B", 1.0, 2.0)], 1),  # they only touch
+        ([("A", 1.0, 2.0), ("A", 0.0, 1.0), ("B", 2.0, 3.0)], 1),
+        ([("D", 2.0, 4.0), ("A", 0.0, 3.0), ("C", 1.5, 2.5), ("B", 1.0, 2.0)], 3),
+        ([("A", 0.0, 10.0), ("B", 1.0, 2.0), ("C", 3.0, 4.0), ("D", 5.0, 6.0)], 2),
+        ([("A", 0.0, 1.0), ("B", 0.0, 1.0), ("C", 0.0, 1.0), ("D", 1.0, 2.0)], 3),
+    ]
+    for spans, want in cases:
+        tl = Timeline()
+        for i, (lane, start, end) in enumerate(spans):
+            tl.add(lane, f"k{i}", start, end)
+        got = max_concurrency(tl)
+        assert got == want, (f"spans {[(lane, a, b) for lane, a, b in spans]}: expected {want}, got {got} "
+                             "(spans are not sorted; a span ending exactly when another starts does not overlap it)")
+    for with_default, want in ((False, 2), (True, 1)):  # recorded on the emulated device, as in the notebook
+        tl = Timeline()
+        with get_device("cpu", tl) as dev:
+            dev.stream("A").sleep(0.05, name="a", lane="stream A")
+            if with_default:
+                dev.default_stream.sleep(0.01, name="small op", lane="default")
+            dev.stream("B").sleep(0.05, name="b", lane="stream B")
+            dev.synchronize(timeout=10)
+        got = max_concurrency(tl)
+        assert got == want, (f"two streams{' with a small op on the default stream between them' if with_default else ''}: "
+                             f"expected {want}, got {got}")
+    print("✓ correct")
+
+
+def check_03(pipeline) -> None:
+    """pipeline(dev, host_in, fn) -> fn applied on the device to host_in, through H2D, compute and D2H, as a list."""
+    if _not_yet(pipeline, "pipeline"):
+        return
+    import time
+
+    import torch
+
+    from minibatch.device import get_device
+
+    def fn(x, out):
+        torch.add(x * x, 1, out=out)
+
+    host_in = torch.arange(1, 9)
+    want = (host_in * host_in + 1).tolist()
+    chain = ("The chain: H2D copies, records h2d_done; compute waits for h2d_done, runs fn, records compute_done; "
+             "D2H waits for compute_done, copies, records d2h_done; the host synchronizes on d2h_done, then reads.")
+    culprit = {"H2D": "did compute wait for an event recorded after the H2D copy?",
+               "compute": "did D2H wait for an event recorded after fn?",
+               "D2H": "did the host synchronize on an event recorded after the D2H copy before reading?"}
+    for busy in ("H2D", "compute", "D2H", None):
+        with get_device("cpu") as dev:
+            if busy is not None:
+                dev.stream(busy).sleep(0.2)  # that stream is still busy with earlier work
+            dev.stream("other").sleep(1.0)  # unrelated work on another stream
+            start = time.perf_counter()
+            got = pipeline(dev, dev.pin(host_in), fn)
+            took = time.perf_counter() - start
+            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+        where = f"with the {busy} stream busy for 0.2 s" if busy else "with idle streams"
+        hint = f"First suspect: {culprit[busy]} " if busy else ""
+        assert got == want, f"{where}: expected {want}, got {got}. Something ran before its input was ready. {hint}{chain}"
+        assert took < 0.8, (f"right result, but the host waited {took:.1f} s: it waited for unrelated work on another "
+                            "stream. Synchronize on the event after your D2H copy, not on the whole device, and "
+                            "keep off dev.default_stream")
+    print("✓ correct")
