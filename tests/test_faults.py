@@ -1,0 +1,76 @@
+"""Faults: a failure inside device work, an interrupt mid-run, a KV cache too small for everyone at once.
+
+Each ends with an exception (or the right tokens), no worker thread left behind, and a next call that
+gives the same tokens as an undisturbed run.
+"""
+
+import sys
+import threading
+
+import pytest
+import torch
+
+import minibatch
+from minibatch.device import DeviceError
+
+KW = dict(max_new_tokens=6, max_batch_tokens=16, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def work():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 7, 4)]
+
+
+def workers():
+    return [t for t in threading.enumerate() if t.name.startswith("minibatch-")]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failure_inside_device_work_surfaces_and_the_next_call_works(random_llama, work, mode, monkeypatch):
+    ref = minibatch.generate(random_llama, work, mode=mode, **KW)
+    calls = {"n": 0}
+    real_step = type(random_llama).step
+
+    def failing_step(self, batch, cache):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return real_step(self, batch, cache)
+
+    monkeypatch.setattr(type(random_llama), "step", failing_step)
+    with pytest.raises(DeviceError, match="injected device failure"):
+        minibatch.generate(random_llama, work, mode=mode, timeout=30, **KW)
+    monkeypatch.undo()
+    assert not workers()
+    assert minibatch.generate(random_llama, work, mode=mode, **KW) == ref
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_interrupt_mid_run_leaves_nothing_behind(random_llama, work, mode):
+    ref = minibatch.generate(random_llama, work, mode=mode, **KW)
+    interval = sys.getswitchinterval()
+
+    def interrupt(plan, done):
+        if plan.step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        minibatch.generate(random_llama, work, mode=mode, on_step=interrupt, **KW)
+    assert not workers()
+    assert sys.getswitchinterval() == interval
+    assert minibatch.generate(random_llama, work, mode=mode, **KW) == ref
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_more_requests_than_the_cache_holds_wait_their_turn(random_llama, work, mode):
+    ref = minibatch.generate(random_llama, work, mode="sync", **KW)
+    # 18 tokens at most per request = 5 blocks of 4: room for one request at a time, plus a little
+    small = minibatch.generate(random_llama, work, mode=mode, block_size=4, num_blocks=7, **KW)
+    assert small == ref
+
+
+def test_a_device_that_stops_answering_times_out(random_llama, work):
+    with pytest.raises(DeviceError, match="timed out"):
+        minibatch.generate(random_llama, work, mode="async", inject_delays={"compute": 2.0}, timeout=0.2, **KW)
+    assert not workers()
