@@ -225,3 +225,15 @@ def check_03(pipeline) -> None:
                             "stream. Synchronize on the event after your D2H copy, not on the whole device, and "
                             "keep off dev.default_stream")
     print("✓ correct")
+
+
+def check_07(busy_fraction) -> None:
+    """busy_fraction(intervals) -> covered fraction of [min start, max end]."""
+    if _not_yet(busy_fraction, "busy_fraction"):
+        return
+    cases = [([(0, 1), (2, 3)], 2 / 3), ([(0, 2), (1, 3)], 1.0), ([(0, 4), (1, 2), (3, 5), (7, 10)], 8 / 10),
+             ([(5, 6)], 1.0), ([(0, 1), (0, 1), (3, 4)], 0.5)]
+    for spans, want in cases:
+        got = busy_fraction(spans)
+        assert abs(got - want) < 1e-9, f"busy_fraction({spans}) = {got}, expected {want} (count overlaps once)"
+    print("✓ correct")
