@@ -92,11 +92,8 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
 
-    def slot(self, block_table: list[int], t: int) -> int:
-        """Physical slot of token number t of a request with this block table."""
-        return block_table[t // self.block_size] * self.block_size + t % self.block_size
-
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Physical slots of tokens start..end-1 of a request with this block table."""
         bs = self.block_size
         return [block_table[t // bs] * bs + t % bs for t in range(start, end)]
 

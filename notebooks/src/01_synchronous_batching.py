@@ -9,14 +9,13 @@
 # **Time:** about 15 minutes (CPU or GPU).
 
 # %%
-import time
 
 import matplotlib.pyplot as plt
 import torch
 
 import minibatch
 from minibatch.batch import build_batch
-from minibatch.requests import Request, RequestState
+from minibatch.requests import Request
 from minibatch.scheduler import Scheduler
 from minibatch.timeline import Timeline
 
