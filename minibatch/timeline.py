@@ -133,7 +133,8 @@ class Timeline:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(10, 2.4))
-        lanes = [lane for lane in LANES if any(s.lane == lane for s in self.spans)]
+        present = list(dict.fromkeys(s.lane for s in self.spans))
+        lanes = [lane for lane in LANES if lane in present] + [lane for lane in present if lane not in LANES]
         t_lo = min(s.start for s in self.spans) if start is None else start
         t_hi = max(s.end for s in self.spans) if end is None else end
         for row, lane in enumerate(lanes):

@@ -53,3 +53,10 @@ def test_sync_run_records_every_stage(random_llama):
     assert 0 < tl.device_busy() <= 1
     steps = {s.step for s in tl.spans}
     assert steps == set(range(4))  # one prefill step (both prompts) + three decode steps
+
+
+def test_plot_draws_every_lane(tmp_path):
+    tl = make()
+    tl.add("stream A", "work", 0.5, 1.5)
+    ax = tl.plot()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU", "H2D", "compute", "D2H", "stream A"]

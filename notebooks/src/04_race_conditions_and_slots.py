@@ -29,8 +29,8 @@ tok = model.tokenizer
 # The host fills a (pinned) buffer and launches a copy to the device on the H2D stream. The launch
 # returns at once, so the host moves on and fills the same buffer with the *next* batch. If the copy
 # has not run yet, it copies the wrong data. A copy normally runs within microseconds, so this bug
-# shows up one run in a thousand; we make it happen every time by putting a delay on the H2D stream
-# before the copy (`stream.sleep`), like a busy GPU would.
+# shows up only now and then, when the stream happens to be busy; we make it happen every time by
+# putting a delay on the H2D stream before the copy (`stream.sleep`), like a busy GPU would.
 
 # %%
 with get_device("cpu") as dev:
