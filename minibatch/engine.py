@@ -6,6 +6,7 @@ The sync and async loops share everything here; `mode` only picks which loop run
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -14,10 +15,10 @@ from .batch import bucket
 from .device import get_device
 from .graphs import ROW_BUCKETS, StepRunner
 from .model import Model
-from .slots import IOSlot
-from .sync_loop import run_sync
 from .requests import Request, SamplingParams
 from .scheduler import Scheduler
+from .slots import IOSlot
+from .sync_loop import run_sync
 from .timeline import Timeline
 
 MODES = ("sync", "async")
@@ -77,8 +78,9 @@ def generate(
     Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
     on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
     `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
-    fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens)); `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the
-    longest requests). `timeout` bounds every host wait on the device (seconds): a device that
+    fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
+    `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
+    requests). `timeout` bounds every host wait on the device (seconds): a device that
     stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
     which prompt i reaches the server, to simulate requests arriving while the loop runs.
     `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (graphs.py).
@@ -128,8 +130,9 @@ def generate(
     # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
     rows = bucket(max_batch_size, ROW_BUCKETS)
     width = -(-max(r.max_len + 1 for r in requests) // model.kv_bucket) * model.kv_bucket
-    shape = (num_blocks, block_size, max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket,
-                                                                        rows * width), rows, num_slots, cuda_graphs)
+    shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
+                   max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
+                   num_slots=num_slots, cuda_graphs=cuda_graphs)
     timeline = timeline if timeline is not None else Timeline()
     bar = None
     if progress:
@@ -159,26 +162,42 @@ def generate(
     return [r.output for r in requests]
 
 
-def _resources(model: Model, dev, shape: tuple):
+class _Shape(NamedTuple):
+    """Everything that fixes the sizes (and so the addresses) of a run's cache, slots and graphs."""
+
+    num_blocks: int
+    block_size: int
+    max_tokens: int
+    max_keys: int
+    rows: int
+    num_slots: int
+    cuda_graphs: bool
+
+
+def _resources(model: Model, dev, shape: _Shape):
     """KV cache, IO slots and step runner for one run.
 
-    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last set is kept
-    on the model and reused by the next call of the same shape: graphs are captured once, not per call
-    (a server keeps its engine alive the same way). CUDA events carry no tie to the device object, so
-    the slots work with each call's new device. The cpu backend builds everything afresh each call.
+    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last two sets
+    are kept on the model and reused by the next call of the same shape: graphs are captured once, not
+    per call (a server keeps its engine alive the same way). CUDA events carry no tie to the device
+    object, so the slots work with each call's new device. The cpu backend builds everything afresh.
     """
-    kept: dict = model.__dict__.setdefault("_resources", {})  # shape -> (cache, slots, runner), at most 2
-    if model.device.type == "cuda" and shape in kept:
+    if model.device.type != "cuda":
+        return _build(model, dev, shape)
+    kept: dict = model.__dict__.setdefault("_resources", {})  # shape -> (cache, slots, runner)
+    if shape in kept:
         cache = kept[shape][0]
         if cache.allocator.num_free == cache.allocator.num_blocks:  # not left dirty by a failed run
             return kept[shape]
-    num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs = shape
     kept.pop(shape, None)
     while len(kept) >= 2:  # keep two sets (e.g. a sync and an async run), free older ones first
         kept.pop(next(iter(kept)))
-    cache = model.make_cache(num_blocks, block_size)
-    slots = [IOSlot(dev, i, max_tokens, max_keys, rows, model.device) for i in range(num_slots)]
-    made = (cache, slots, StepRunner(model, cache, use_graphs=cuda_graphs))
-    if model.device.type == "cuda":
-        kept[shape] = made
-    return made
+    kept[shape] = _build(model, dev, shape)
+    return kept[shape]
+
+
+def _build(model: Model, dev, shape: _Shape):
+    cache = model.make_cache(shape.num_blocks, shape.block_size)
+    slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows, model.device)
+             for i in range(shape.num_slots)]
+    return cache, slots, StepRunner(model, cache, use_graphs=shape.cuda_graphs)
