@@ -1,0 +1,54 @@
+"""Profile the async loop with CUDA graphs on the GPU: kernel breakdown of a decode step, and does our
+device-busy fraction agree with torch.profiler's kernel timeline? (Not yet run: prepared for the next
+GPU session; see BENCHMARKS.md.)
+
+    KINETO_LOG_LEVEL=5 python3 scripts/gpu/profile_async.py   # on the GPU machine; writes $OUT/profile_async.txt
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import minibatch  # noqa: E402
+from minibatch import bench  # noqa: E402
+from minibatch.timeline import DEVICE_LANES, Timeline  # noqa: E402
+
+out = Path(os.environ.get("OUT", "."))
+model = minibatch.load_model(os.environ.get("MODEL", "llama3-8b-shape"), device="cuda")
+prompts = bench.random_prompts(32, 256, model.vocab_size)
+kw = dict(max_new_tokens=64, mode="async", max_batch_size=32, max_batch_tokens=2048)
+minibatch.generate(model, prompts, **kw)  # warm-up: graph captures
+tl = Timeline()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    minibatch.generate(model, prompts, timeline=tl, **kw)
+    torch.cuda.synchronize()
+
+
+def union(intervals):
+    total, cur = 0.0, None
+    for a, b in sorted(intervals):
+        if cur is None or a > cur[1]:
+            total += 0 if cur is None else cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    return total + (0 if cur is None else cur[1] - cur[0])
+
+
+kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+k_busy = union(kernels) / (max(b for _, b in kernels) - min(a for a, _ in kernels))
+dev = [(s.start, s.end) for s in tl.spans if s.lane in DEVICE_LANES]
+t_busy = union(dev) / (max(b for _, b in dev) - min(a for a, _ in dev))
+steps = len({s.step for s in tl.spans if s.lane == "compute"})
+lines = [
+    f"device busy over the device window: timeline {t_busy:.1%}, torch.profiler kernels {k_busy:.1%}",
+    f"timeline device_busy() over the whole run: {tl.device_busy():.1%}",
+    f"kernels recorded: {len(kernels)} over {steps} steps ({len(kernels) / steps:.0f} per step)",
+    prof.key_averages().table(sort_by="cuda_time_total", row_limit=30),
+]
+print("\n".join(lines[:3]))
+(out / "profile_async.txt").write_text("\n".join(lines))
