@@ -136,7 +136,7 @@ COLOURS = {"a": "#4C72B0", "b": "#DD8452", "small op": "#C44E52"}
 
 
 def draw(tl, lanes, ax, title):
-    """Gantt chart of a timeline on the given lanes (Timeline.plot knows only the loop's four lanes)."""
+    """Gantt chart of a timeline on the given lanes, each span's name written on its bar."""
     t0 = min(sp.start for sp in tl.spans)
     for row, lane in enumerate(lanes):
         for sp in tl.spans:

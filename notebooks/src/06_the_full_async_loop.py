@@ -111,8 +111,11 @@ for t, o in zip(texts, inline_out):
 #
 # * `has_unplanned_work()` can be false while requests are still running: at the end, when every
 #   remaining token is already in flight, there is nothing to plan, and the loop only waits.
-# * A step can come out empty: seats are freed at the *update* of the step where a request ended,
-#   one step later than in the synchronous loop, so a newcomer may have to wait one more step.
+# * A request that reaches its length gives back its seat and KV blocks as soon as its last token is
+#   *planned* (the scheduler knows the length in advance), so both loops admit newcomers at the same
+#   step. A request that stops at EOS is a surprise: its seat comes back at the *update* of the step
+#   that produced the EOS, one step later than in the synchronous loop, so a newcomer may wait one
+#   more step, and a step can even come out empty.
 #
 # The package's loop is `minibatch.async_loop.run_async`, which `minibatch.generate(...,
 # mode="async")` runs. Same scheduler, same slots, same carry-over: it must give the same tokens as
