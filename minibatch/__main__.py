@@ -21,6 +21,8 @@ DEMO_PROMPTS = [
 def _modes(arg: str) -> list[str]:
     from .engine import MODES
     modes = [m for m in arg.split(",") if m]
+    if not modes:
+        raise SystemExit("error: --modes needs at least one of sync, async")
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"error: unknown mode {m!r} in --modes (choose from {', '.join(MODES)})")
@@ -37,6 +39,9 @@ def demo(args) -> None:
 
     model = load_model(args.model, device=args.device)
     tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"the demo prints text, and model {args.model!r} has no tokenizer: use the built-in "
+                         "'tiny' model, or `python -m minibatch bench` for token-id workloads")
     print(f"model {model.name!r} on {model.device} ({model.dtype}), {len(DEMO_PROMPTS)} prompts, "
           f"{args.max_new_tokens} new tokens each\n")
     prompts = [tok.encode(p) for p in DEMO_PROMPTS]

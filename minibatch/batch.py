@@ -48,7 +48,6 @@ class Batch:
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
-    real_rows: int = -1  # sampled rows that belong to requests (the rest is padding); -1 = all
 
     @property
     def num_tokens(self) -> int:
@@ -60,10 +59,10 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSOR_FIELDS}
-        return Batch(**moved, decode_rows=self.decode_rows, real_rows=self.real_rows)
+        return Batch(**moved, decode_rows=self.decode_rows)
 
 
-TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in ("decode_rows", "real_rows"))
+TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name != "decode_rows")
 
 
 def input_token(r: Request, pos: int) -> int:
@@ -107,7 +106,6 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
             s = r.sampling
             samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
 
-    real_rows = len(samp)
     ends = [c.end for c in plan.chunks]
     tables = [c.request.blocks for c in plan.chunks]
     decode = decode_layout and all(c.num_tokens == 1 and c.sample for c in plan.chunks)
@@ -134,7 +132,6 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
         decode_rows=len(ends) if decode else 0,
-        real_rows=real_rows,
     )
 
 

@@ -1,4 +1,5 @@
-"""`minibatch.generate`: check the input, set up cache and scheduler, run a loop (notebook 01).
+"""`minibatch.generate`: check the input, set up cache, slots and scheduler, run a loop (notebook 00;
+the loops themselves are notebooks 01 and 06).
 
 The sync and async loops share everything here; `mode` only picks which loop runs.
 """
@@ -50,6 +51,20 @@ def _as_token_lists(prompts, model: Model) -> list[list[int]]:
     return out
 
 
+def _eos_ids(eos, vocab_size: int) -> int | frozenset[int] | None:
+    """None, one id, or several (Llama-3's generation config lists several), each inside the vocabulary."""
+    if eos is None:
+        return None
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else list(eos) if isinstance(
+        eos, (list, tuple, set, frozenset)) else None
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids[0] if isinstance(eos, int) else frozenset(ids)
+
+
 def generate(
     model: Model,
     prompts,
@@ -59,7 +74,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     timeline: Timeline | None = None,
     max_batch_size: int | None = None,
     max_batch_tokens: int = 256,
@@ -92,16 +107,17 @@ def generate(
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_batch_tokens", max_batch_tokens),
+                        ("block_size", block_size), ("max_batch_size", max_batch_size), ("num_blocks", num_blocks)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if max_batch_size is None:
         max_batch_size = min(32, max_batch_tokens)
     if max_batch_tokens < max_batch_size:
         raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
                          "every running request needs room for its decode token")
     token_lists = _as_token_lists(prompts, model)
-    if eos_token_id is not None and not 0 <= eos_token_id < model.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {model.vocab_size})")
+    eos_token_id = _eos_ids(eos_token_id, model.vocab_size)
     limit = model.max_positions
     for i, p in enumerate(token_lists):
         if limit and len(p) + max_new_tokens > limit:
@@ -109,7 +125,8 @@ def generate(
                              f"exceed the model's {limit} positions")
     if arrival_steps is None:
         arrival_steps = [0] * len(token_lists)
-    if len(arrival_steps) != len(token_lists) or any(not isinstance(a, int) or a < 0 for a in arrival_steps):
+    if len(arrival_steps) != len(token_lists) or any(
+            not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in arrival_steps):
         raise ValueError("arrival_steps needs one integer >= 0 per prompt")
     requests = [
         Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id,

@@ -20,9 +20,10 @@ All graphs share one memory pool: they never run at the same time (one compute s
 memory one graph uses for its intermediate tensors can be reused by the next. Two slots' graphs
 then cost about as much as one (the article's observation; measured in BENCHMARKS.md).
 
-Graphs are captured lazily, the first time a (slot, shape) comes up: that step runs eagerly (its
-results are the real ones), then the same call is captured for later replays. On the CPU backend
-there are no graphs: the runner calls the eager step, the same code path minus the capture.
+Graphs are captured lazily, the first time a (slot, shape) comes up: that step runs eagerly once
+(warm-up), is captured, and is replayed for its real results and for every later step of that
+shape. On the CPU backend there are no graphs: the runner calls the eager step, the same code path
+minus the capture.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ class StepRunner:
         if graph is not None:
             graph.replay()
             return
-        forward_step(self.model, self.cache, args)  # this step's real work, eagerly
-        self.graphs[args.key] = self._capture(args)
+        forward_step(self.model, self.cache, args)  # warm-up run, eagerly
+        graph = self.graphs[args.key] = self._capture(args)
+        # the step's results come from the graph too, so that every graphed step uses the graph's
+        # kernels (bf16 eager and graph kernels may round differently); running the step again is
+        # harmless: it writes the same KV slots and outputs, and carry-over is out of place
+        graph.replay()
 
     def _capture(self, args: StepArgs) -> torch.cuda.CUDAGraph:
         # torch.cuda.graph empties the allocator's cache as it starts; do it first, so that the growth

@@ -142,6 +142,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
     return dev
 
 
@@ -170,6 +172,12 @@ class Model:
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
                             device=self.device, dtype=self.dtype)
+
+    def release(self) -> None:
+        """Free the KV caches, IO slots and CUDA graphs that `generate` keeps on a GPU model between calls."""
+        self.__dict__.pop("_resources", None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:

@@ -59,7 +59,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
+    eos_token_id: int | frozenset[int] | None = None  # one id, or several
     state: RequestState = RequestState.WAITING
     num_computed: int = 0  # tokens whose KV is written (or being written by a batch in flight)
     num_sampled: int = 0  # tokens sampled or being sampled by a batch in flight
@@ -85,7 +85,8 @@ class Request:
         """Record one sampled token and finish the request if it hit EOS or its length."""
         assert self.state == RequestState.DECODING, self.state
         self.output.append(token)
-        if self.eos_token_id is not None and token == self.eos_token_id:
+        eos = self.eos_token_id
+        if eos is not None and (token == eos if isinstance(eos, int) else token in eos):
             self.finish("eos")
         elif len(self.output) >= self.max_new_tokens:
             self.finish("length")

@@ -37,7 +37,9 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
     key = _mix32(_mix32(seed & _M32) ^ ((counter * 0x2545F491) & _M32))  # [R]
     v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
     h = _mix32(key[:, None] ^ ((v[None, :] * 0x27D4EB2D) & _M32))  # [R, V]
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    # 23 bits: (2**23 - 0.5) / 2**23 is the largest value and still below 1.0 in float32; with 24 bits the
+    # top value rounds to exactly 1.0, whose Gumbel noise is +inf, and that token would always win
+    return ((h >> 9).to(torch.float32) + 0.5) / float(1 << 23)
 
 
 def sample(
@@ -53,12 +55,12 @@ def sample(
     greedy = logits.argmax(dim=-1)
     # sampled path, computed for every row (fixed shapes, no data-dependent branches)
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # stable: ties break by id
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])  # top-k: keep the k largest
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # top-p: keep the smallest prefix whose mass reaches p
-    drop |= mass_before >= top_p[:, None]
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # float sums reach 1.0 early
     noise = uniform_noise(seed, counter, logits.shape[-1]).gather(-1, order)
     gumbel = -torch.log(-torch.log(noise))
     choice = (sorted_logits + gumbel).masked_fill(drop, float("-inf")).argmax(dim=-1)

@@ -62,7 +62,6 @@ class IOSlot:
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
         self.decode_rows = 0
-        self.real_rows = 0
 
     def load(self, batch: Batch, carry: list[int]) -> None:
         """Write a host batch into this slot's host buffers (the host must own the slot: see module doc)."""
@@ -79,7 +78,6 @@ class IOSlot:
         self.host["carry"][: len(carry)] = torch.tensor(carry, dtype=torch.int64)
         self.sizes["carry"] = self.host["carry"].shape[0]
         self.decode_rows = batch.decode_rows
-        self.real_rows = batch.real_rows if batch.real_rows >= 0 else batch.num_sampled
 
     def copy_in(self, sizes: dict[str, int]) -> None:
         """H2D: copy the used prefix of every host buffer to the device (call on the H2D stream)."""
@@ -104,7 +102,7 @@ class IOSlot:
             patched_ids=self.dev["patched_ids"][:n], input_ids=self.dev["input_ids"][:n],
             source=(prev or self).out_dev,  # sync loop: no previous slot, and the mask is all -1
             carry=self.dev["carry"], out=self.out_dev,
-            batch=Batch(**views, decode_rows=self.decode_rows, real_rows=self.real_rows),
+            batch=Batch(**views, decode_rows=self.decode_rows),
             key=(self.index, None if prev is None else prev.index, self.decode_rows, self.sizes["kv_indices"]),
         )
 

@@ -33,3 +33,7 @@ def test_bad_flags_are_named():
     assert r.returncode != 0 and "unknown mode 'turbo'" in r.stderr
     r = run("bench", "--model", "gpt-17", "--device", "cpu")
     assert r.returncode == 2 and "unknown model 'gpt-17'" in r.stderr
+    r = run("bench", "--modes", ",")
+    assert r.returncode != 0 and "at least one" in r.stderr
+    r = run("demo", "--model", "random-llama", "--device", "cpu")
+    assert r.returncode == 2 and "has no tokenizer" in r.stderr

@@ -22,6 +22,13 @@ import minibatch
     ([[1, 2]], {"eos_token_id": 10**6}, ValueError, "eos_token_id"),
     (["hello"], {}, ValueError, "has no tokenizer"),
     ("hello", {}, TypeError, "list of prompts"),
+    ([[1, 2]], {"block_size": 0}, ValueError, "block_size must be an integer >= 1"),
+    ([[1, 2]], {"max_batch_tokens": 0}, ValueError, "max_batch_tokens must be an integer >= 1"),
+    ([[1, 2]], {"max_batch_size": 0}, ValueError, "max_batch_size must be an integer >= 1"),
+    ([[1, 2]], {"num_blocks": -1}, ValueError, "num_blocks must be an integer >= 1"),
+    ([[1, 2]], {"arrival_steps": [True]}, ValueError, "arrival_steps"),
+    ([[1, 2]], {"eos_token_id": "x"}, TypeError, "eos_token_id must be an int"),
+    ([[1, 2]], {"eos_token_id": [3, 10**6]}, ValueError, "eos_token_id 1000000"),
     ([["a", "b"]], {}, TypeError, "list of int token ids"),
 ])
 def test_bad_generate_input(random_llama, prompts, kwargs, error, words):
@@ -55,3 +62,9 @@ def test_missing_folder(tmp_path):
 def test_generate_needs_a_loaded_model():
     with pytest.raises(TypeError, match="load_model"):
         minibatch.generate("tiny", [[1, 2]])
+
+
+def test_several_eos_ids(random_llama):
+    free = minibatch.generate(random_llama, [[1, 2, 3]], max_new_tokens=10)[0]
+    out = minibatch.generate(random_llama, [[1, 2, 3]], max_new_tokens=10, eos_token_id=[511, free[3]])[0]
+    assert out == free[: free.index(free[3]) + 1]

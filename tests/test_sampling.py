@@ -48,3 +48,19 @@ def test_seeded_generate_is_reproducible_and_batch_independent(random_llama):
     assert a == b
     c = minibatch.generate(random_llama, prompts, **{**kw, "seed": 12})
     assert c != a
+
+
+def test_noise_never_reaches_one_on_a_large_vocabulary():
+    """u == 1.0 would give +inf Gumbel noise and force that token (a bug found in review)."""
+    u = uniform_noise(torch.arange(64), torch.arange(64), 1 << 17)
+    assert (u < 1).all() and (u > 0).all()
+
+
+def test_top_p_one_filters_nothing():
+    logits = torch.randn(4, 1 << 15)
+    probs = torch.softmax(logits, -1)
+    n = 3000
+    toks = sample(logits[0].expand(n, -1), *_params(n, top_p=1.0, counter=torch.arange(n)))
+    # the rarest tokens (far out in the tail) must still be drawable: check the tail got some samples
+    tail = probs[0].argsort()[: (1 << 15) // 2]
+    assert torch.isin(toks, tail).any()
