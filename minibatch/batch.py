@@ -65,12 +65,16 @@ class Batch:
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name != "decode_rows")
 
 
+def needs_placeholder(r: Request, pos: int) -> bool:
+    """True if the token at position pos of r is not on the host yet (async: it is being sampled)."""
+    return pos >= len(r.prompt) + len(r.output)
+
+
 def input_token(r: Request, pos: int) -> int:
-    """The token at position pos of r if the host knows it yet, else the placeholder 0."""
-    if pos < len(r.prompt):
-        return r.prompt[pos]
-    k = pos - len(r.prompt)
-    return r.output[k] if k < len(r.output) else 0
+    """The token at position pos of r if the host knows it yet, else the placeholder 0 (notebook 05)."""
+    if needs_placeholder(r, pos):
+        return 0
+    return r.prompt[pos] if pos < len(r.prompt) else r.output[pos - len(r.prompt)]  # no list copies
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:

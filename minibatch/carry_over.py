@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .requests import Request
+from .batch import needs_placeholder
 from .scheduler import BatchPlan
 
 
@@ -43,15 +43,10 @@ def carry_over_mask(prev: BatchPlan | None, plan: BatchPlan) -> list[int]:
     offset = 0
     for c in plan.chunks:
         r = c.request
-        if c.start >= len(r.prompt) and needs_placeholder(r, c.start):
+        if needs_placeholder(r, c.start):
             where[id(r)] = offset  # a decode chunk whose input is the token still in flight
         offset += c.num_tokens
     return [where.get(id(c.request), -1) for c in prev.sampling_chunks]
-
-
-def needs_placeholder(r: Request, pos: int) -> bool:
-    """True if the token at position pos of r is not on the host yet (it is being sampled)."""
-    return pos >= len(r.prompt) + len(r.output)
 
 
 def apply_carry_over(out_ids: torch.Tensor, input_ids: torch.Tensor, prev_output: torch.Tensor,
