@@ -407,7 +407,8 @@ for path in recordings:
 #   wall time depends on whether host and device compete for the same processor: on this CPU they
 #   do; on a GPU they do not, and with CUDA graphs an H200 ran the asynchronous loop in 0.8 of the
 #   synchronous loop's time, busy all but 100% of it.
-# * Next, in **07**, the measurements: sweeps on a GPU, against the article and against the peers.
+# * Next, in **07**, the measurements: against the article, against transformers' own continuous
+#   batching and against the hardware's limit.
 #
 # ## Exercise
 #
