@@ -2,7 +2,9 @@
 
 Every number is a ratio measured side by side in the same run, never compared across runs or
 machines. For each mode we report wall time, generated tokens per second, the device-busy fraction
-from the recorded timeline, and the mean time per step.
+from the recorded timeline, the mean time per step, and for decode-only steps the median compute
+span (what a step costs the device) and the median period from one step to the next (what it costs
+in wall time: compute plus any device idle gap).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class Result:
     new_tokens: int
     tokens_per_s: float
     device_busy: float
-    ms_per_step: float
+    ms_per_step: float  # wall time / steps, prefill steps included
     steps: int
+    decode_compute_ms: float = float("nan")  # median compute span of decode-only steps (device clock)
+    decode_period_ms: float = float("nan")  # median time from one decode step's compute start to the next
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -39,12 +43,26 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def run_mode(model: Model, prompts, mode: str, max_new_tokens: int, **kw) -> tuple[Result, Timeline, list]:
     tl = Timeline()
+    decode_steps: set[int] = set()  # steps in which every chunk is one decode token
+
+    def on_step(plan, done):
+        if all(c.num_tokens == 1 and c.start >= len(c.request.prompt) for c in plan.chunks):
+            decode_steps.add(plan.step)
+
     t0 = time.perf_counter()
-    outs = generate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, timeline=tl, **kw)
+    outs = generate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, timeline=tl, on_step=on_step, **kw)
     wall = time.perf_counter() - t0
     steps = len({s.step for s in tl.spans if s.step >= 0})
     n = sum(len(o) for o in outs)
-    return Result(mode, wall, n, n / wall, tl.device_busy(), 1e3 * wall / max(steps, 1), steps), tl, outs
+    compute = sorted((s.start, s.end) for s in tl.spans if s.name == "compute" and s.step in decode_steps)
+    spans = [1e3 * (b - a) for a, b in compute]
+    periods = [1e3 * (b[0] - a[0]) for a, b in zip(compute, compute[1:])]
+    return Result(mode, wall, n, n / wall, tl.device_busy(), 1e3 * wall / max(steps, 1), steps,
+                  _median(spans), _median(periods)), tl, outs
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
 def environment(model: Model) -> dict:
@@ -59,10 +77,12 @@ def environment(model: Model) -> dict:
 
 def format_table(results: list[Result]) -> str:
     base = results[0].wall_s
-    rows = [f"{'mode':<8}{'wall s':>9}{'tok/s':>10}{'busy':>7}{'ms/step':>9}{'steps':>7}{'wall ratio':>12}"]
+    rows = [f"{'mode':<8}{'wall s':>9}{'tok/s':>10}{'busy':>7}{'ms/step':>9}{'steps':>7}{'decode ms':>11}"
+            f"{'period ms':>11}{'wall ratio':>12}"]
     for r in results:
         rows.append(f"{r.mode:<8}{r.wall_s:>9.2f}{r.tokens_per_s:>10.1f}{r.device_busy:>7.0%}"
-                    f"{r.ms_per_step:>9.2f}{r.steps:>7}{r.wall_s / base:>12.2f}")
+                    f"{r.ms_per_step:>9.2f}{r.steps:>7}{r.decode_compute_ms:>11.2f}{r.decode_period_ms:>11.2f}"
+                    f"{r.wall_s / base:>12.2f}")
     return "\n".join(rows)
 
 
