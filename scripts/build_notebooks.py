@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC, NB = ROOT / "notebooks" / "src", ROOT / "notebooks"
@@ -51,6 +50,8 @@ def build(src: Path) -> Path:
     nb.nbformat_minor = 4  # no cell ids: stable diffs
     out = NB / (src.stem + ".ipynb")
     t0 = time.time()
+    from nbclient import NotebookClient  # only needed to execute; parse() works without it
+
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NB)}}).execute()
     for cell in nb.cells:  # strip volatile metadata
         cell.metadata = {k: v for k, v in cell.metadata.items() if k in ("tags",)}
