@@ -94,10 +94,19 @@ def bench_cmd(args) -> None:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             tl.save(Path(args.out) / f"timeline_{mode}.json")
-    if args.hf:
-        r, o = bench.hf_generate_batch(model, prompts, args.max_new_tokens)
-        results.append(r)
-        outs["hf_cb"] = o
+    if args.hf:  # transformers' continuous batching: its default, or (--hf-all) each of its four modes
+        configs = [dict()]
+        if args.hf_all:
+            graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
+            configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs]
+        for c in configs:
+            try:
+                r, o = bench.hf_generate_batch(model, prompts, args.max_new_tokens, **c)
+            except Exception as e:  # noqa: BLE001 - one failing HF mode must not lose the others' numbers
+                print(f"transformers generate_batch {c} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            results.append(r)
+            outs[r.mode] = o
     print(json.dumps(bench.environment(model)))
     print(bench.format_table(results))
     if len(outs) > 1:
@@ -139,6 +148,10 @@ def main(argv=None) -> None:
                    help="replay decode steps as CUDA graphs (auto: on for CUDA)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--hf", action="store_true", help="also run transformers' generate_batch (default config)")
+    b.add_argument("--hf-all", action="store_true", help="with --hf: each of its sync/async x graphs modes")
+    b.add_argument("--hf-memory", type=float, default=0.4,
+                   help="with --hf-all: fraction of GPU memory for its KV cache (its async warm-up ran out "
+                        "of memory at the default on an H200)")
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)

@@ -77,10 +77,10 @@ def environment(model: Model) -> dict:
 
 def format_table(results: list[Result]) -> str:
     base = results[0].wall_s
-    rows = [f"{'mode':<8}{'wall s':>9}{'tok/s':>10}{'busy':>7}{'ms/step':>9}{'steps':>7}{'decode ms':>11}"
+    rows = [f"{'mode':<14}{'wall s':>9}{'tok/s':>10}{'busy':>7}{'ms/step':>9}{'steps':>7}{'decode ms':>11}"
             f"{'period ms':>11}{'wall ratio':>12}"]
     for r in results:
-        rows.append(f"{r.mode:<8}{r.wall_s:>9.2f}{r.tokens_per_s:>10.1f}{r.device_busy:>7.0%}"
+        rows.append(f"{r.mode:<14}{r.wall_s:>9.2f}{r.tokens_per_s:>10.1f}{r.device_busy:>7.0%}"
                     f"{r.ms_per_step:>9.2f}{r.steps:>7}{r.decode_compute_ms:>11.2f}{r.decode_period_ms:>11.2f}"
                     f"{r.wall_s / base:>12.2f}")
     return "\n".join(rows)
@@ -92,27 +92,35 @@ def save_json(path, model: Model, results: list[Result], workload: dict) -> None
                    "results": [asdict(r) for r in results]}, f, indent=2)
 
 
-def hf_generate_batch(model: Model, prompts, max_new_tokens: int) -> tuple[Result, list]:
-    """The same workload through transformers' own continuous batching (`generate_batch`), default config.
+def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: bool | None = None,
+                      use_graphs: bool | None = None, memory: float | None = None) -> tuple[Result, list]:
+    """The same workload through transformers' own continuous batching (`generate_batch`).
 
-    The model's attention implementation is switched to transformers' paged one for the call, then back.
+    use_async / use_graphs / memory map to its ContinuousBatchingConfig (None: its default). The
+    model's attention implementation is switched to transformers' paged one for the call, then back.
+    Its wall time includes its own warm-up (graph captures), as a user would see it.
     """
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     from .model import ATTN_NAME
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     model.hf.set_attn_implementation("sdpa" if (major, minor) >= (5, 23) else "paged|sdpa")
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    options = {k: v for k, v in dict(use_async_batching=use_async, use_cuda_graph=use_graphs,
+                                     max_memory_percent=memory).items() if v is not None}
+    label = "hf" + ("" if use_async is None else "_async" if use_async else "_sync") + (
+        "" if use_graphs is None else "_graphs" if use_graphs else "_eager")
     try:
         t0 = time.perf_counter()
-        out = model.hf.generate_batch([list(p) for p in prompts], generation_config=cfg, progress_bar=False)
+        out = model.hf.generate_batch([list(p) for p in prompts], generation_config=cfg, progress_bar=False,
+                                      continuous_batching_config=ContinuousBatchingConfig(**options))
         wall = time.perf_counter() - t0
     finally:
         model.hf.set_attn_implementation(ATTN_NAME)
     tokens = [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
     n = sum(len(t) for t in tokens)
-    return Result("hf_cb", wall, n, n / wall, float("nan"), float("nan"), 0), tokens
+    return Result(label, wall, n, n / wall, float("nan"), float("nan"), 0), tokens
 
 
 def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:

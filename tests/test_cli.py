@@ -37,3 +37,13 @@ def test_bad_flags_are_named():
     assert r.returncode != 0 and "at least one" in r.stderr
     r = run("demo", "--model", "random-llama", "--device", "cpu")
     assert r.returncode == 2 and "has no tokenizer" in r.stderr
+
+
+def test_bench_beside_transformers_and_the_floor(tmp_path):
+    r = run("bench", "--model", "random-llama", "--device", "cpu", "--num-prompts", "2", "--prompt-len", "4",
+            "--max-new-tokens", "3", "--no-progress", "--hf", "--floor", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "hf: 2/2 requests with the same tokens as sync" in r.stdout  # float32: transformers agrees
+    data = json.load(open(tmp_path / "bench.json"))
+    assert [x["mode"] for x in data["results"]] == ["sync", "hf"]
+    assert data["workload"]["weight_floor_ms"] > 0
