@@ -40,20 +40,19 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class StepRunner:
     """Builds a step's host batch and runs its device work: eagerly, or through CUDA graphs."""
 
-    def __init__(self, model, cache, use_graphs: bool = False, decode_layout: bool | None = None) -> None:
+    def __init__(self, model, cache, use_graphs: bool = False) -> None:
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this model is on " + str(model.device))
         self.model, self.cache, self.use_graphs = model, cache, use_graphs
         # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
-        self.decode_layout = model.decode_layout if decode_layout is None else decode_layout
+        self.decode_layout = model.decode_layout
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.captures: list[dict] = []  # one record per capture: key and pool memory growth
 
     def build(self, plan: BatchPlan):
-        # rows are padded on a GPU with or without graphs: the same shapes give the same bf16 rounding,
-        # so a graph run and an eager run give the same tokens (a different row count can flip a
-        # near-tie argmax in bf16: cuBLAS picks kernels by shape)
+        # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
+        # (this did not make bf16 eager and graph runs bit-identical on the H200: BENCHMARKS.md)
         rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
         return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows)
 

@@ -45,7 +45,6 @@ class IOSlot:
                  device: torch.device) -> None:
         self.index = index
         caps = {"T": max_tokens, "K": max_keys, "R": max_rows}
-        self.caps = caps
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         for name in TENSOR_FIELDS:
