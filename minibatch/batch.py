@@ -48,6 +48,7 @@ class Batch:
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
+    all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
 
     @property
     def num_tokens(self) -> int:
@@ -59,10 +60,12 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSOR_FIELDS}
-        return Batch(**moved, decode_rows=self.decode_rows)
+        return Batch(**moved, decode_rows=self.decode_rows, all_greedy=self.all_greedy)
 
 
-TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name != "decode_rows")
+#: the host-side layout facts that travel with a batch but are not tensors
+LAYOUT_FIELDS = ("decode_rows", "all_greedy")
+TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS)
 
 
 def needs_placeholder(r: Request, pos: int) -> bool:
@@ -83,7 +86,7 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 
 
 def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode_layout: bool = False,
-                row_buckets: tuple[int, ...] = ()) -> Batch:
+                row_buckets: tuple[int, ...] = (), decode_bucket: int | None = None) -> Batch:
     """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K.
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch slot, which no
@@ -95,7 +98,9 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     [rows, L] (row r = request r's context, padded with the scratch slot to L, a multiple of
     kv_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
     slot). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
-    come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py).
+    come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py). L is a multiple of
+    `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
+    graphs (model.py says which sizes we use and why).
     """
     ids, pos, qseq, slots, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
@@ -118,7 +123,8 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
             ids.append(0), pos.append(0), qseq.append(i), slots.append(cache.scratch_slot)
             logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0))
             ends.append(1), tables.append([cache.scratch_slot // cache.block_size])
-    kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, kv_bucket, decode)
+    kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, (decode_bucket or kv_bucket) if decode else kv_bucket,
+                                           decode)
     temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
     i64 = torch.int64
     return Batch(
@@ -136,6 +142,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
         decode_rows=len(ends) if decode else 0,
+        all_greedy=bool(temp) and all(t == 0 for t in temp),
     )
 
 

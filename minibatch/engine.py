@@ -146,7 +146,8 @@ def generate(
         num_blocks = sum(need[:max_batch_size])
     # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
     rows = bucket(max_batch_size, ROW_BUCKETS)
-    width = -(-max(r.max_len + 1 for r in requests) // model.kv_bucket) * model.kv_bucket
+    kb = max(model.kv_bucket, model.decode_kv_bucket)
+    width = -(-max(r.max_len + 1 for r in requests) // kb) * kb
     shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
                    max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
                    num_slots=num_slots, cuda_graphs=cuda_graphs)

@@ -66,6 +66,7 @@ class PagedMeta:
 
     cache: PagedKVCache
     batch: Batch
+    decode_attention: str = "einsum"  # how decode-layout steps compute attention: "einsum" or "sdpa"
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -94,7 +95,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     values = v_cache.index_select(0, b.kv_indices)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if b.decode_rows:
-        return _decode_attention(query, keys, values, meta, window, scaling), None
+        decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
+        return decode(query, keys, values, meta, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
         scale=scaling, enable_gqa=query.shape[1] != keys.shape[1],
@@ -121,6 +123,40 @@ def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
         ok &= q_pos - k_pos < window
     probs = scores.masked_fill(~ok[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
     out = torch.einsum("rhgl,rlhd->rhgd", probs, v)  # [R, KVH, G, D]
+    return out.reshape(1, rows, heads, dim)
+
+
+def _decode_mask(meta: PagedMeta, window) -> torch.Tensor:
+    """[R, 1, 1, L] bool: may row r's query see key l of its row? Built once per forward, shared by layers."""
+    key = ("decode", window)
+    if key not in meta._masks:
+        b = meta.batch
+        rows = b.decode_rows
+        q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
+        ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
+        if window:
+            ok &= q_pos - k_pos < window
+        meta._masks[key] = ok[:, None, None, :]
+    return meta._masks[key]
+
+
+def _decode_attention_sdpa(query, keys, values, meta: PagedMeta, window, scaling):
+    """The same attention as `_decode_attention`, in one fused SDPA kernel.
+
+    Trick: a decode row has one query token, and the `group` query heads that share a key/value head
+    all look at the same keys. So we hand SDPA the group as if it were `group` query *positions* of
+    one head: q [R, KVH, G, D] against k, v [R, KVH, L, D] (a strided view of the gathered keys, no
+    copy), with the row's key mask broadcast over the group. The fused kernel reads each key once,
+    keeps the scores in registers, and needs no float32 [R, H, L] tensor in memory.
+    """
+    b = meta.batch
+    rows, (_, heads, _, dim) = b.decode_rows, query.shape
+    kv_heads = keys.shape[1]
+    q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
+    k = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)  # [R, KVH, L, D]
+    v = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_decode_mask(meta, window),
+                                                           scale=scaling)
     return out.reshape(1, rows, heads, dim)
 
 
@@ -164,10 +200,15 @@ class Model:
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.dtype = next(self.hf.parameters()).dtype
+        cuda = self.device.type == "cuda"
         # pad the attention's key list to a multiple of this (batch.py says why); CPUs gain nothing
-        self.kv_bucket = 256 if self.device.type == "cuda" else 1
+        self.kv_bucket = 256 if cuda else 1
         # decode steps use the [rows, L] key layout (batch.py); flat + mask otherwise
-        self.decode_layout = self.device.type == "cuda"
+        self.decode_layout = cuda
+        # decode rows are padded to a multiple of this many keys (batch.py, decode_bucket)
+        self.decode_kv_bucket = self.kv_bucket
+        # decode-layout attention: "sdpa" (one fused kernel) or "einsum" (the readable version)
+        self.decode_attention = "sdpa" if cuda else "einsum"
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
@@ -187,7 +228,7 @@ class Model:
             position_ids=batch.positions[None],
             logits_to_keep=batch.logits_indices,
             use_cache=False,
-            minibatch=PagedMeta(cache, batch),
+            minibatch=PagedMeta(cache, batch, self.decode_attention),
         )
         return out.logits[0]
 
@@ -195,6 +236,8 @@ class Model:
     def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
         """Forward + sample, all on the device -> [R] int64 next tokens."""
         logits = self.logits(batch, cache)
+        if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
+            return logits.float().argmax(dim=-1)
         return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
 
 

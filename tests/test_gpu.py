@@ -27,6 +27,16 @@ def test_graphs_same_tokens_as_eager_float32():
             == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
 
 
+def test_sdpa_and_einsum_decode_attention_agree_float32():
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(12, model.vocab_size, seed=3)
+    kw = dict(max_new_tokens=20, max_batch_size=8, max_batch_tokens=64)
+    assert model.decode_attention == "sdpa"  # the GPU default
+    fused = minibatch.generate(model, work, mode="async", **kw)
+    model.decode_attention = "einsum"
+    assert minibatch.generate(model, work, mode="async", **kw) == fused
+
+
 def test_bf16_sync_and_async_with_graphs_agree():
     """bf16: sync and async replay the same graphs on the same shapes, so they agree exactly.
 

@@ -29,16 +29,17 @@ def test_two_slots_with_the_same_delay_are_right(random_llama, work, stage):
         assert minibatch.generate(random_llama, work, mode="async", inject_delays={stage: 0.03}, **kw) == ref
 
 
-def test_decode_layout_gives_the_same_tokens(random_llama, work):
+@pytest.mark.parametrize("attention", ["einsum", "sdpa"])
+@pytest.mark.parametrize("decode_bucket", [8, 4])
+def test_decode_layout_gives_the_same_tokens(random_llama, work, monkeypatch, attention, decode_bucket):
     kw = dict(max_new_tokens=8, max_batch_tokens=32, block_size=4)
     flat = minibatch.generate(random_llama, work, **kw)
-    random_llama.decode_layout = True
-    random_llama.kv_bucket = 8
-    try:
-        laid = minibatch.generate(random_llama, work, **kw)
-        laid_async = minibatch.generate(random_llama, work, mode="async", **kw)
-    finally:
-        random_llama.decode_layout, random_llama.kv_bucket = False, 1
+    monkeypatch.setattr(random_llama, "decode_layout", True)
+    monkeypatch.setattr(random_llama, "kv_bucket", 8)
+    monkeypatch.setattr(random_llama, "decode_kv_bucket", decode_bucket)
+    monkeypatch.setattr(random_llama, "decode_attention", attention)
+    laid = minibatch.generate(random_llama, work, **kw)
+    laid_async = minibatch.generate(random_llama, work, mode="async", **kw)
     assert laid == flat and laid_async == flat
 
 

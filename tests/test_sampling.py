@@ -64,3 +64,24 @@ def test_top_p_one_filters_nothing():
     # the rarest tokens (far out in the tail) must still be drawable: check the tail got some samples
     tail = probs[0].argsort()[: (1 << 15) // 2]
     assert torch.isin(toks, tail).any()
+
+
+def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
+    """A batch whose rows are all greedy skips the sort; it must pick what the full sampler picks."""
+    import dataclasses
+
+    from minibatch.batch import build_batch
+    from minibatch.requests import Request, SamplingParams
+    from minibatch.scheduler import Scheduler
+
+    cache = random_llama.make_cache(32, 4)
+    sched = Scheduler(cache.allocator, 64, 8)
+    for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]):
+        sched.add(Request(i, p, 4))
+    batch = build_batch(sched.schedule(), cache)
+    assert batch.all_greedy
+    fast = random_llama.step(batch, cache)
+    full = random_llama.step(dataclasses.replace(batch, all_greedy=False), cache)
+    assert torch.equal(fast, full)
+    sched.add(Request(3, [7, 7], 4, SamplingParams(temperature=0.8, seed=1)))
+    assert not build_batch(sched.schedule(), cache).all_greedy  # one sampled row: the full sampler
