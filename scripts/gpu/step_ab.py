@@ -1,7 +1,7 @@
 """Where does a graphed decode step's time go, and which change moves it? (H200, 8B shape, batch 32)
 
     python3 scripts/gpu/step_ab.py            # on the GPU machine; writes $OUT/step_ab.txt
-    python3 scripts/gpu/step_ab.py --compile  # also: the same step through torch.compile (minutes)
+    python3 scripts/gpu/step_ab.py --compile  # only: the same step through torch.compile ($OUT/compile.txt)
 
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
@@ -37,7 +37,7 @@ lines: list[str] = []
 def say(s: str) -> None:
     print(s, flush=True)
     lines.append(s)
-    (OUT / "step_ab.txt").write_text("\n".join(lines) + "\n")
+    (OUT / ("compile.txt" if "--compile" in sys.argv else "step_ab.txt")).write_text("\n".join(lines) + "\n")
 
 
 def decode_setup(model, ctx: int):
@@ -94,6 +94,8 @@ def main() -> None:
     model = minibatch.load_model(os.environ.get("MODEL", "llama3-8b-shape"), device="cuda")
     say(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
         f"{torch.cuda.get_device_name()}, model {model.name} {model.dtype}, batch {B}")
+    if "--compile" in sys.argv:
+        return compiled(model)
     say(f"weight floor at batch {B}: {bench.weight_floor_ms(model, B):.2f} ms")
     results = {}
     for ctx in (383, 1023):
@@ -125,8 +127,6 @@ def main() -> None:
             say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
         del cache
         torch.cuda.empty_cache()
-    if "--compile" in sys.argv:
-        compiled(model)
 
 
 def compiled(model) -> None:
