@@ -42,11 +42,13 @@ def say(s: str) -> None:
 
 def decode_setup(model, ctx: int):
     """A cache holding B requests of `ctx` tokens each, and the plan of the next (decode) step."""
-    cache = model.make_cache(B * (ctx // 16 + 4) + 8, 16)
+    new = 64
+    cache = model.make_cache(B * (-(-(ctx + new) // 16) + 1) + 8, 16)  # admission reserves ctx + new per request
     sched = Scheduler(cache.allocator, B * ctx, B)
     for i in range(B):
-        sched.add(Request(i, [1 + i] * ctx, 64))
+        sched.add(Request(i, [1 + i] * ctx, new))
     plan = sched.schedule()  # prefill of all B prompts in one step
+    assert len(plan.chunks) == B and all(c.num_tokens == ctx for c in plan.chunks), "prefill did not fit"
     model.step(build_batch(plan, cache, model.kv_bucket).to("cuda"), cache)
     sched.update(plan, [2] * B)
     return cache, sched.schedule()
