@@ -24,8 +24,9 @@ def _modes(arg: str) -> list[str]:
     if not modes:
         raise SystemExit("error: --modes needs at least one of sync, async")
     for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"error: unknown mode {m!r} in --modes (choose from {', '.join(MODES)})")
+        if m.removesuffix("+compile") not in MODES:
+            raise SystemExit(f"error: unknown mode {m!r} in --modes (choose from {', '.join(MODES)}, each "
+                             "optionally with +compile, e.g. async+compile)")
     return modes
 
 
@@ -81,7 +82,9 @@ def bench_cmd(args) -> None:
                     cuda_graphs=args.cuda_graphs)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
               progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
-    if args.warmup:  # untimed: first launches, cuDNN plans, and (graphs on) the CUDA graph captures
+    if any(m.endswith("+compile") for m in args.modes) and model.device.type != "cuda":
+        raise ValueError("+compile modes need a CUDA model (decode steps through torch.compile)")
+    if args.warmup:  # untimed: first launches, cuDNN plans, compiles and (graphs on) the CUDA graph captures
         for mode in args.modes:
             full = model.device.type == "cuda" and args.cuda_graphs != "off"
             bench.run_mode(model, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
@@ -101,6 +104,8 @@ def bench_cmd(args) -> None:
             configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs]
         for c in configs:
             try:
+                if args.warmup:  # untimed, like ours: its first launches and captures
+                    bench.hf_generate_batch(model, prompts, args.max_new_tokens, **c)
                 r, o = bench.hf_generate_batch(model, prompts, args.max_new_tokens, **c)
             except Exception as e:  # noqa: BLE001 - one failing HF mode must not lose the others' numbers
                 print(f"transformers generate_batch {c} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -110,9 +115,13 @@ def bench_cmd(args) -> None:
     print(json.dumps(bench.environment(model)))
     print(bench.format_table(results))
     if len(outs) > 1:
+        first = args.modes[0]
+        first_compiled = next((m for m in args.modes if m.endswith("+compile")), first)
         for mode, o in outs.items():
-            same = sum(a == b for a, b in zip(o, outs[args.modes[0]]))
-            print(f"{mode}: {same}/{len(o)} requests with the same tokens as {args.modes[0]}")
+            ref = first_compiled if mode.endswith("+compile") else first  # same kernels, same rounding
+            same = sum(a == b for a, b in zip(o, outs[ref]))
+            print(f"{mode}: {same}/{len(o)} requests with the same tokens as {ref}")
+    print(bench.summary(results))
     if args.floor:
         floor = bench.weight_floor_ms(model, args.max_batch_size)
         print(f"weight-streaming floor at batch {args.max_batch_size}: {floor:.2f} ms per step")
@@ -136,14 +145,16 @@ def main(argv=None) -> None:
     b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")
     b.add_argument("--model", default="tiny")
     b.add_argument("--device", default="auto")
-    b.add_argument("--modes", type=_modes, default=["sync"])
+    b.add_argument("--modes", type=_modes, default=["sync"],
+                   help="comma-separated: sync, async, sync+compile, async+compile (compile: CUDA only)")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--max-batch-size", type=int, default=32)
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--warmup", action="store_true", help="one short untimed run first")
+    b.add_argument("--warmup", action="store_true",
+                   help="an untimed run of each mode first (and of each transformers mode, with --hf)")
     b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay decode steps as CUDA graphs (auto: on for CUDA)")
     b.add_argument("--no-progress", action="store_true")

@@ -49,8 +49,10 @@ def run_mode(model: Model, prompts, mode: str, max_new_tokens: int, **kw) -> tup
         if all(c.num_tokens == 1 and c.start >= len(c.request.prompt) for c in plan.chunks):
             decode_steps.add(plan.step)
 
+    base = mode.removesuffix("+compile")
     t0 = time.perf_counter()
-    outs = generate(model, prompts, max_new_tokens=max_new_tokens, mode=mode, timeline=tl, on_step=on_step, **kw)
+    outs = generate(model, prompts, max_new_tokens=max_new_tokens, mode=base, timeline=tl, on_step=on_step,
+                    compile=base != mode, **kw)
     wall = time.perf_counter() - t0
     steps = len({s.step for s in tl.spans if s.step >= 0})
     n = sum(len(o) for o in outs)
@@ -84,6 +86,17 @@ def format_table(results: list[Result]) -> str:
                     f"{r.ms_per_step:>9.2f}{r.steps:>7}{r.decode_compute_ms:>11.2f}{r.decode_period_ms:>11.2f}"
                     f"{r.wall_s / base:>12.2f}")
     return "\n".join(rows)
+
+
+def summary(results: list[Result]) -> str:
+    """One line: our fastest mode against transformers' fastest, when both ran."""
+    ours = [r for r in results if not r.mode.startswith("hf")]
+    theirs = [r for r in results if r.mode.startswith("hf")]
+    if not ours or not theirs:
+        return ""
+    a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
+    return (f"fastest minibatch mode {a.mode} {a.tokens_per_s:.0f} tok/s vs fastest transformers mode {b.mode} "
+            f"{b.tokens_per_s:.0f} tok/s: {a.tokens_per_s / b.tokens_per_s:.2f}x")
 
 
 def save_json(path, model: Model, results: list[Result], workload: dict) -> None:

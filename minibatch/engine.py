@@ -84,6 +84,7 @@ def generate(
     arrival_steps: Sequence[int] | None = None,
     on_step: Callable | None = None,
     cuda_graphs: bool | None = None,
+    compile: bool = False,
     num_slots: int | None = None,
     inject_delays: dict[str, float] | None = None,
     timeout: float | None = 600.0,
@@ -99,6 +100,7 @@ def generate(
     stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
     which prompt i reaches the server, to simulate requests arriving while the loop runs.
     `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (graphs.py).
+    `compile=True` (CUDA only) runs decode steps through torch.compile first (Model.compiled_step).
     `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
     seconds slept on that stream before each step's work) exist to show the race of notebook 04.
     `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
@@ -141,6 +143,11 @@ def generate(
         raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
     if cuda_graphs is None:
         cuda_graphs = model.device.type == "cuda"
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if compile and model.device.type != "cuda":
+        raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
+                         "eager: compiling would take longer than the tiny model's whole run)")
     if num_blocks is None:
         need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
         num_blocks = sum(need[:max_batch_size])
@@ -150,7 +157,7 @@ def generate(
     width = -(-max(r.max_len + 1 for r in requests) // kb) * kb
     shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
                    max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
-                   num_slots=num_slots, cuda_graphs=cuda_graphs)
+                   num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=bool(compile))
     timeline = timeline if timeline is not None else Timeline()
     bar = None
     if progress:
@@ -180,6 +187,9 @@ def generate(
     return [r.output for r in requests]
 
 
+_KEEP = 4  # resource sets kept on a CUDA model (see _resources)
+
+
 class _Shape(NamedTuple):
     """Everything that fixes the sizes (and so the addresses) of a run's cache, slots and graphs."""
 
@@ -190,12 +200,13 @@ class _Shape(NamedTuple):
     rows: int
     num_slots: int
     cuda_graphs: bool
+    compiled: bool = False
 
 
 def _resources(model: Model, dev, shape: _Shape):
     """KV cache, IO slots and step runner for one run.
 
-    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last two sets
+    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last _KEEP sets
     are kept on the model and reused by the next call of the same shape: graphs are captured once, not
     per call (a server keeps its engine alive the same way). CUDA events carry no tie to the device
     object, so the slots work with each call's new device. The cpu backend builds everything afresh.
@@ -208,7 +219,7 @@ def _resources(model: Model, dev, shape: _Shape):
         if cache.allocator.num_free == cache.allocator.num_blocks:  # not left dirty by a failed run
             return kept[shape]
     kept.pop(shape, None)
-    while len(kept) >= 2:  # keep two sets (e.g. a sync and an async run), free older ones first
+    while len(kept) >= _KEEP:  # e.g. sync and async, each with and without compile; free older ones first
         kept.pop(next(iter(kept)))
     kept[shape] = _build(model, dev, shape)
     return kept[shape]
@@ -218,4 +229,4 @@ def _build(model: Model, dev, shape: _Shape):
     cache = model.make_cache(shape.num_blocks, shape.block_size)
     slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows, model.device)
              for i in range(shape.num_slots)]
-    return cache, slots, StepRunner(model, cache, use_graphs=shape.cuda_graphs)
+    return cache, slots, StepRunner(model, cache, use_graphs=shape.cuda_graphs, compiled=shape.compiled)

@@ -40,10 +40,13 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class StepRunner:
     """Builds a step's host batch and runs its device work: eagerly, or through CUDA graphs."""
 
-    def __init__(self, model, cache, use_graphs: bool = False) -> None:
+    def __init__(self, model, cache, use_graphs: bool = False, compiled: bool = False) -> None:
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this model is on " + str(model.device))
-        self.model, self.cache, self.use_graphs = model, cache, use_graphs
+        if compiled and model.device.type != "cuda":
+            raise ValueError("compile=True is for CUDA models (decode steps through torch.compile); this model "
+                             "is on " + str(model.device))
+        self.model, self.cache, self.use_graphs, self.compiled = model, cache, use_graphs, compiled
         # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
         self.decode_layout = model.decode_layout
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -60,13 +63,13 @@ class StepRunner:
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""
         if not (self.use_graphs and args.batch.decode_rows):
-            forward_step(self.model, self.cache, args)
+            forward_step(self.model, self.cache, args, self.compiled)
             return
         graph = self.graphs.get(args.key)
         if graph is not None:
             graph.replay()
             return
-        forward_step(self.model, self.cache, args)  # warm-up run, eagerly
+        forward_step(self.model, self.cache, args, self.compiled)  # warm-up run, eagerly
         graph = self.graphs[args.key] = self._capture(args)
         # the step's results come from the graph too, so that every graphed step uses the graph's
         # kernels (bf16 eager and graph kernels may round differently); running the step again is
@@ -81,7 +84,7 @@ class StepRunner:
         before = torch.cuda.memory_reserved(self.model.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):  # synchronizes the device first
-            forward_step(self.model, self.cache, args)
+            forward_step(self.model, self.cache, args, self.compiled)
         grew = torch.cuda.memory_reserved(self.model.device) - before
         self.captures.append({"key": args.key, "reserved_growth": grew})
         return graph

@@ -220,8 +220,7 @@ class Model:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    @torch.inference_mode()
-    def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+    def _forward(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
         """One forward pass over a device batch -> [R, vocab] logits of the sampling positions."""
         out = self.hf(
             input_ids=batch.input_ids[None],
@@ -232,13 +231,47 @@ class Model:
         )
         return out.logits[0]
 
-    @torch.inference_mode()
-    def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
-        """Forward + sample, all on the device -> [R] int64 next tokens."""
-        logits = self.logits(batch, cache)
+    def _forward_sample(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        logits = self._forward(batch, cache)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
             return logits.float().argmax(dim=-1)
         return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        return self._forward(batch, cache)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch, cache: PagedKVCache, compiled: bool = False) -> torch.Tensor:
+        """Forward + sample, all on the device -> [R] int64 next tokens.
+
+        compiled=True runs decode-layout steps through `torch.compile` (see `compiled_step`).
+        """
+        if compiled and batch.decode_rows:
+            return self.compiled_step()(batch, cache)
+        return self._forward_sample(batch, cache)
+
+    def compiled_step(self):
+        """The decode step (forward + sampling) through torch.compile, built once per model.
+
+        Why: the eager step is ~1700 kernels; most are tiny elementwise ops of the model's RMSNorm,
+        rotary embedding and MLP, each a separate read and write of a [rows, hidden] tensor. On the
+        H200 (8B shape, batch 32) they took ~4 ms of a 10.2 ms step whose matmuls need 4.7 ms.
+        Inductor fuses them (686 kernels, 7.2 ms: BENCHMARKS.md). What it costs: compilation,
+        ~45 s for the 8B shape per new (rows, keys) shape (static shapes, so each kernel is tuned
+        for its shape; the recompile limit is raised to allow a few dozen shapes). bf16 tokens may
+        differ from the uncompiled step's (other kernels round differently), so compare compiled runs
+        with compiled runs; float32 runs agree (tests/test_gpu.py).
+        """
+        fn = self.__dict__.get("_compiled_step")
+        if fn is None:
+            import torch._dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            fn = self._compiled_step = torch.compile(self._forward_sample, dynamic=False)
+        return fn
 
 
 def _random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:

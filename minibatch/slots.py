@@ -124,7 +124,7 @@ class StepArgs:
     key: tuple  # (slot, previous slot, decode rows, keys, all greedy): one CUDA graph per key
 
 
-def forward_step(model, cache, args: StepArgs) -> None:
+def forward_step(model, cache, args: StepArgs, compiled: bool = False) -> None:
     """Device work of one step: patch in carried-over tokens, forward, sample into the slot's output.
 
     Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
@@ -132,7 +132,7 @@ def forward_step(model, cache, args: StepArgs) -> None:
     from .carry_over import apply_carry_over
 
     apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
-    tokens = model.step(args.batch, cache)
+    tokens = model.step(args.batch, cache, compiled)
     args.out[: tokens.shape[0]].copy_(tokens)
 
 

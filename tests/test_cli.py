@@ -47,3 +47,11 @@ def test_bench_beside_transformers_and_the_floor(tmp_path):
     data = json.load(open(tmp_path / "bench.json"))
     assert [x["mode"] for x in data["results"]] == ["sync", "hf"]
     assert data["workload"]["weight_floor_ms"] > 0
+    assert "fastest minibatch mode sync" in r.stdout and "fastest transformers mode hf" in r.stdout
+
+
+def test_compile_modes_need_a_gpu():
+    r = run("bench", "--model", "random-llama", "--device", "cpu", "--modes", "sync,async+compile", "--no-progress")
+    assert r.returncode == 2 and "+compile modes need a CUDA model" in r.stderr
+    r = run("bench", "--modes", "async+turbo")
+    assert r.returncode != 0 and "unknown mode 'async+turbo'" in r.stderr

@@ -37,6 +37,17 @@ def test_sdpa_and_einsum_decode_attention_agree_float32():
     assert minibatch.generate(model, work, mode="async", **kw) == fused
 
 
+def test_compiled_decode_steps_give_the_same_tokens():
+    """torch.compile'd decode steps (float32): the same tokens as eager; sync and async agree."""
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    work = torch.randint(0, model.vocab_size, (8, 24), generator=g).tolist()  # one decode shape: one compile
+    kw = dict(max_new_tokens=16, max_batch_size=8, max_batch_tokens=256)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    assert minibatch.generate(model, work, mode="sync", compile=True, **kw) == eager
+    assert minibatch.generate(model, work, mode="async", compile=True, **kw) == eager
+
+
 def test_bf16_sync_and_async_with_graphs_agree():
     """bf16: sync and async replay the same graphs on the same shapes, so they agree exactly.
 

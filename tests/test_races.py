@@ -58,6 +58,13 @@ def test_padded_rows_give_the_same_tokens(random_llama, work, monkeypatch):
         assert minibatch.generate(random_llama, work, mode=mode, **kw) == flat
 
 
+def test_compile_is_for_cuda_models(random_llama):
+    with pytest.raises(ValueError, match="compile=True is for CUDA models"):
+        minibatch.generate(random_llama, [[1]], compile=True)
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        minibatch.generate(random_llama, [[1]], compile="yes")
+
+
 def test_bad_slot_and_delay_arguments(random_llama):
     with pytest.raises(ValueError, match="num_slots"):
         minibatch.generate(random_llama, [[1]], num_slots=3)
