@@ -205,8 +205,11 @@ class Model:
         self.kv_bucket = 256 if cuda else 1
         # decode steps use the [rows, L] key layout (batch.py); flat + mask otherwise
         self.decode_layout = cuda
-        # decode rows are padded to a multiple of this many keys (batch.py, decode_bucket)
-        self.decode_kv_bucket = self.kv_bucket
+        # decode rows are padded to a multiple of this many keys (batch.py, decode_bucket). Each
+        # padded key is gathered and attended to, so a finer bucket reads less; it costs one more CUDA
+        # graph per 64 keys of context. H200, 8B shape, 32 rows at context 383: 10.21 ms per step with
+        # rows padded to 512 keys, 9.82 ms at 384 (BENCHMARKS.md, step_ab).
+        self.decode_kv_bucket = 64 if cuda else self.kv_bucket
         # decode-layout attention: "sdpa" (one fused kernel) or "einsum" (the readable version)
         self.decode_attention = "sdpa" if cuda else "einsum"
 
@@ -258,19 +261,21 @@ class Model:
         rotary embedding and MLP, each a separate read and write of a [rows, hidden] tensor. On the
         H200 (8B shape, batch 32) they took ~4 ms of a 10.2 ms step whose matmuls need 4.7 ms.
         Inductor fuses them (686 kernels, 7.2 ms: BENCHMARKS.md). What it costs: compilation,
-        ~45 s for the 8B shape per new (rows, keys) shape (static shapes, so each kernel is tuned
-        for its shape; the recompile limit is raised to allow a few dozen shapes). bf16 tokens may
-        differ from the uncompiled step's (other kernels round differently), so compare compiled runs
-        with compiled runs; float32 runs agree (tests/test_gpu.py).
+        ~45 s for the 8B shape for the first decode shape. Shapes are left to PyTorch's automatic
+        dynamic shapes: the first shape compiles static, a second one recompiles with the sizes that
+        changed (rows, keys) symbolic, and that version serves every later shape, so a run with many
+        (rows, keys) buckets compiles about twice, not once per bucket. bf16 tokens may differ from
+        the uncompiled step's (other kernels round differently), so compare compiled runs with
+        compiled runs; float32 runs agree (tests/test_gpu.py).
         """
         fn = self.__dict__.get("_compiled_step")
         if fn is None:
             import torch._dynamo
 
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
-            fn = self._compiled_step = torch.compile(self._forward_sample, dynamic=False)
+                if hasattr(torch._dynamo.config, name):  # room for sampled and greedy, several row counts
+                    setattr(torch._dynamo.config, name, max(32, getattr(torch._dynamo.config, name)))
+            fn = self._compiled_step = torch.compile(self._forward_sample)
         return fn
 
 
