@@ -23,7 +23,7 @@ import minibatch  # noqa: E402
 from minibatch import bench  # noqa: E402
 
 
-def sweep(models, batches, device, prompt_len, max_new_tokens):
+def sweep(models, batches, device, prompt_len, max_new_tokens, out: Path | None = None):
     rows = []
     for name in models:
         model = minibatch.load_model(name, device=device)
@@ -41,6 +41,8 @@ def sweep(models, batches, device, prompt_len, max_new_tokens):
                   f" | wall ratio {ratio:.2f}", flush=True)
             rows.append({"model": name, "batch": b, "environment": env,
                          **{mode: asdict(r) for mode, r in res.items()}, "wall_ratio": ratio})
+            if out is not None:  # after every row: a run cut short keeps what it measured
+                (out / "sweep.json").write_text(json.dumps(rows, indent=1))
         del model
     return rows
 
@@ -74,11 +76,10 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="out")
     a = p.parse_args()
-    rows = sweep(a.models.split(","), [int(b) for b in a.batches.split(",")], a.device, a.prompt_len,
-                 a.max_new_tokens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    rows = sweep(a.models.split(","), [int(b) for b in a.batches.split(",")], a.device, a.prompt_len,
+                 a.max_new_tokens, out)
     plot(rows, out / "sweep.png")
     print(f"wrote {out / 'sweep.json'} and {out / 'sweep.png'}")
 
