@@ -57,8 +57,9 @@ class StepRunner:
         # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
         # (this did not make bf16 eager and graph runs bit-identical on the H200: BENCHMARKS.md)
         rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
-        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows,
-                           self.model.decode_kv_bucket)
+        # compiled steps compile once per shape (model.compiled_step): coarser key buckets, fewer shapes
+        decode_bucket = self.model.kv_bucket if self.compiled else self.model.decode_kv_bucket
+        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
 
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""

@@ -261,24 +261,23 @@ class Model:
         rotary embedding and MLP, each a separate read and write of a [rows, hidden] tensor. On the
         H200 (8B shape, batch 32) they took ~4 ms of a 10.2 ms step whose matmuls need 4.7 ms.
         Inductor fuses them (686 kernels, 7.2 ms: BENCHMARKS.md). What it costs: compilation,
-        about a minute for the 8B shape. It compiles with dynamic shapes from the first call, so one
-        compiled version serves every (rows, keys) bucket (PyTorch still specializes sizes 0 and 1:
-        a one-row step gets its own). Not PyTorch's default "automatic dynamic" (static first, dynamic
-        on the first new shape): then which compiled version served a shape depended on the order
-        shapes came up in, and the H200 run where the sync loop had captured its first graphs with the
-        static kernels and the async loop with the dynamic ones gave 0/32 identical bf16 requests
-        (BENCHMARKS.md). Each shape must always get the same kernels. bf16 tokens may differ from
-        the uncompiled step's (other kernels round differently), so compare compiled runs with
-        compiled runs; float32 runs agree (tests/test_gpu.py).
+        ~45 s for the 8B shape per decode shape (rows, keys). Static shapes, so each shape always gets
+        the same kernels: with PyTorch's default "automatic dynamic" shapes (static first, dynamic
+        from the first new shape on) which kernels served a shape depended on the order shapes came
+        up in, and on the H200 the sync loop (graphs captured with the static kernels) and the async
+        loop (dynamic ones) gave 0/32 identical bf16 requests (BENCHMARKS.md). To keep the number of
+        shapes small, compiled runs pad decode rows to kv_bucket (256) keys, not decode_kv_bucket
+        (graphs.py). bf16 tokens may differ from the uncompiled step's (other kernels round
+        differently), so compare compiled runs with compiled runs; float32 runs agree (tests/test_gpu.py).
         """
         fn = self.__dict__.get("_compiled_step")
         if fn is None:
             import torch._dynamo
 
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
-                if hasattr(torch._dynamo.config, name):  # room for sampled and greedy, several row counts
-                    setattr(torch._dynamo.config, name, max(32, getattr(torch._dynamo.config, name)))
-            fn = self._compiled_step = torch.compile(self._forward_sample, dynamic=True)
+                if hasattr(torch._dynamo.config, name):  # one compile per shape: room for a few dozen
+                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            fn = self._compiled_step = torch.compile(self._forward_sample, dynamic=False)
         return fn
 
 
