@@ -96,7 +96,7 @@ def bench_cmd(args) -> None:
         outs[mode] = o
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            tl.save(Path(args.out) / f"timeline_{mode}.json")
+            tl.save(Path(args.out) / f"timeline_{mode.replace('+', '-')}.json")  # no "+" in file names
     if args.hf:  # transformers' continuous batching: its default, or (--hf-all) each of its four modes
         configs = [dict()]
         if args.hf_all:
