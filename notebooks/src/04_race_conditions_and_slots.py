@@ -138,15 +138,17 @@ print("one slot correct?", compute_bad == reference, "  two slots correct?", com
 #
 # * the step reads and writes only its slot's preallocated buffers: **one graph per slot**;
 # * shapes come from **buckets**: decode steps are padded to a row count from `ROW_BUCKETS` and a
-#   key length that is a multiple of 256, and each (slot, rows, keys) gets its own graph, captured
-#   the first time it comes up (`minibatch/graphs.py`);
+#   key length that is a multiple of a bucket (`model.decode_kv_bucket`: 64 keys on a GPU, 256 when
+#   the step is compiled), and each (slot, rows, keys) gets its own graph, captured the first time
+#   it comes up (`minibatch/graphs.py`). A finer bucket pads less but needs more graphs;
+#   notebook 07 measures what 64 instead of 256 saves;
 # * all graphs share **one memory pool**: they never run at the same time, so the scratch memory of
 #   one can be reused by the next.
 #
 # Which graph would a decode step of 13 requests, the longest at 700 tokens, use?
 
 # %%
-rows, context, kv_bucket = 13, 700, 256
+rows, context, kv_bucket = 13, 700, 64
 print("rows padded to", bucket(rows, ROW_BUCKETS), "| keys per row padded to",
       -(-(context + 1) // kv_bucket) * kv_bucket)
 
