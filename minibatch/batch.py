@@ -96,7 +96,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
     decode_layout: when every chunk is a single decode token, lay the keys out as a table of
     [rows, L] (row r = request r's context, padded with the scratch slot to L, a multiple of
-    kv_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
+    decode_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
     slot). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
     come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py). L is a multiple of
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more

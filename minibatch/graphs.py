@@ -13,7 +13,8 @@ A graph replays fixed kernels on fixed addresses with fixed shapes. Hence:
   * the step reads and writes only the slot's preallocated buffers (slots.py), so a graph belongs
     to one slot: two slots, two graphs per shape;
   * shapes come from buckets: decode steps are padded to a row count from ROW_BUCKETS and a key
-    length that is a multiple of the model's kv_bucket (batch.py, decode layout); mixed
+    length that is a multiple of the model's decode_kv_bucket (kv_bucket for compiled steps, which
+    compile once per shape; batch.py, decode layout); mixed
     prefill/decode steps stay eager (they are few);
   * the carry-over ops (carry_over.py) run inside the graph, before the forward pass.
 All graphs share one memory pool: they never run at the same time (one compute stream), so the

@@ -32,7 +32,7 @@ def test_failure_inside_device_work_surfaces_and_the_next_call_works(random_llam
     calls = {"n": 0}
     real_step = type(random_llama).step
 
-    def failing_step(self, batch, cache):
+    def failing_step(self, batch, cache, compiled=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device failure")
