@@ -76,10 +76,17 @@ def bench_cmd(args) -> None:
     from .model import load_model
 
     model = load_model(args.model, device=args.device)
+    if args.decode_attention != "auto":
+        if args.decode_attention == "triton":
+            from . import paged_attention
+            if not paged_attention.available():
+                raise ValueError("--decode-attention triton needs the triton package (CUDA builds of PyTorch bring it)")
+        model.decode_attention = args.decode_attention
     prompts = bench.random_prompts(args.num_prompts, args.prompt_len, model.vocab_size, args.seed)
     workload = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                     max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                    cuda_graphs=args.cuda_graphs)
+                    cuda_graphs=args.cuda_graphs, decode_attention=model.decode_attention,
+                    decode_kv_bucket=model.decode_kv_bucket)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
               progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
     if any(m.endswith("+compile") for m in args.modes) and model.device.type != "cuda":
@@ -164,6 +171,9 @@ def main(argv=None) -> None:
                    help="with --hf-all: fraction of GPU memory for its KV cache (its async warm-up ran out "
                         "of memory at the default on an H200)")
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
+    b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
+                   help="decode-step attention (model.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
+                        "paged_attention.py, reads the KV cache in place)")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)

@@ -66,7 +66,7 @@ class PagedMeta:
 
     cache: PagedKVCache
     batch: Batch
-    decode_attention: str = "einsum"  # how decode-layout steps compute attention: "einsum" or "sdpa"
+    decode_attention: str = "einsum"  # decode-layout attention: "einsum", "sdpa" or "triton" (paged_attention.py)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -91,9 +91,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = meta.batch
     k_cache.index_copy_(0, b.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
     v_cache.index_copy_(0, b.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if b.decode_rows and meta.decode_attention == "triton":  # reads the cache in place, no gathered copy
+        from .paged_attention import decode_attention
+        return decode_attention(query, k_cache, v_cache, b, window, scaling), None
     keys = k_cache.index_select(0, b.kv_indices)  # [K, kv_heads, head_dim]
     values = v_cache.index_select(0, b.kv_indices)
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if b.decode_rows:
         decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
         return decode(query, keys, values, meta, window, scaling), None
@@ -210,7 +213,8 @@ class Model:
         # graph per 64 keys of context. H200, 8B shape, 32 rows at context 383: 10.21 ms per step with
         # rows padded to 512 keys, 9.82 ms at 384 (BENCHMARKS.md, step_ab).
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
-        # decode-layout attention: "sdpa" (one fused kernel) or "einsum" (the readable version)
+        # decode-layout attention: "sdpa" (one fused kernel), "einsum" (the readable version) or
+        # "triton" (reads the paged cache in place; opt-in, not yet timed on a GPU: paged_attention.py)
         self.decode_attention = "sdpa" if cuda else "einsum"
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "minibatch", *args], capture_output=True, text=True,
@@ -53,5 +55,15 @@ def test_bench_beside_transformers_and_the_floor(tmp_path):
 def test_compile_modes_need_a_gpu():
     r = run("bench", "--model", "random-llama", "--device", "cpu", "--modes", "sync,async+compile", "--no-progress")
     assert r.returncode == 2 and "+compile modes need a CUDA model" in r.stderr
+    r = run("bench", "--modes", "async+turbo")
+    assert r.returncode != 0 and "unknown mode 'async+turbo'" in r.stderr
+
+
+def test_triton_attention_without_triton_is_named():
+    from minibatch import paged_attention
+    if paged_attention.available():
+        pytest.skip("triton is installed here")
+    r = run("bench", "--model", "random-llama", "--device", "cpu", "--decode-attention", "triton", "--no-progress")
+    assert r.returncode == 2 and "needs the triton package" in r.stderr
     r = run("bench", "--modes", "async+turbo")
     assert r.returncode != 0 and "unknown mode 'async+turbo'" in r.stderr

@@ -6,6 +6,7 @@
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
   decode attention  "einsum" (gathered keys, float32 scores in memory) vs "sdpa" (one fused kernel)
+                    vs "triton" (paged_attention.py: reads the cache in place, no gathered copy)
   sampling          the full sampler (sort over the vocabulary) vs the all-greedy argmax fast path
   decode bucket     keys per row padded to a multiple of 256 / 128 / 64
 Also: the weight-streaming floor at the same batch, kernels per step and their summed time inside a
@@ -102,9 +103,9 @@ def main() -> None:
     results = {}
     for ctx in (383, 1023):
         cache, plan = decode_setup(model, ctx)
-        variants = [("einsum", False, 256), ("einsum", True, 256), ("sdpa", True, 256)]
+        variants = [("einsum", False, 256), ("einsum", True, 256), ("sdpa", True, 256), ("triton", True, 256)]
         if ctx == 383:
-            variants += [("sdpa", False, 256), ("sdpa", True, 128), ("sdpa", True, 64)]
+            variants += [("sdpa", False, 256), ("sdpa", True, 128), ("sdpa", True, 64), ("triton", True, 64)]
         for attn, greedy_fast, bucket in variants:
             batch = build_batch(plan, cache, model.kv_bucket, True, ROW_BUCKETS, bucket).to("cuda")
             batch.all_greedy = greedy_fast

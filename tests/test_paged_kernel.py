@@ -1,0 +1,73 @@
+"""The Triton decode kernel (paged_attention.py) against the einsum reference.
+
+On a CPU the kernel runs in Triton's interpreter, which must be switched on before anything imports
+triton (torch and transformers do, if it is installed), so from the shell:
+
+    pip install triton && TRITON_INTERPRET=1 python -m pytest tests/test_paged_kernel.py
+
+PyTorch's CPU wheels do not bring Triton, so in CI and on most laptops these tests are skipped.
+On a GPU they run the compiled kernel (and tests/test_gpu.py times nothing: scripts/gpu/step_ab.py does).
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import minibatch  # noqa: E402
+from minibatch import paged_attention  # noqa: E402
+from minibatch.batch import build_batch  # noqa: E402
+from minibatch.graphs import ROW_BUCKETS  # noqa: E402
+from minibatch.model import PagedMeta, _decode_attention  # noqa: E402
+from minibatch.requests import Request  # noqa: E402
+from minibatch.scheduler import Scheduler  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+@pytest.fixture(scope="module")
+def work():
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 7, 4, 20, 2)]
+
+
+def _decode_batch(ctx_lens, block_size=4, bucket=8):
+    torch.manual_seed(0)
+    kv_heads, dim = 2, 16
+    from minibatch.kv_cache import PagedKVCache
+    cache = PagedKVCache(1, kv_heads, dim, 64, block_size, device=DEVICE, dtype=torch.float32)
+    sched = Scheduler(cache.allocator, 512, 8)
+    for i, n in enumerate(ctx_lens):
+        sched.add(Request(i, [1] * n, 4))
+    sched.update(sched.schedule(), [2] * len(ctx_lens))  # prefill (nothing computed: we fill the cache by hand)
+    batch = build_batch(sched.schedule(), cache, bucket, True, ROW_BUCKETS).to(DEVICE)
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
+    cache.values[0].copy_(torch.randn_like(cache.values[0]))
+    return cache, batch
+
+
+@pytest.mark.parametrize("ctx_lens,window", [([5, 11, 3], None), ([17, 2, 9, 30, 1], None), ([20, 13], 6)])
+def test_kernel_matches_the_einsum_reference(ctx_lens, window):
+    cache, batch = _decode_batch(ctx_lens)
+    rows, heads, dim = batch.decode_rows, 4, 16
+    query = torch.randn(1, heads, rows, dim, device=DEVICE)
+    ref = _decode_attention(query, cache.keys[0].index_select(0, batch.kv_indices),
+                            cache.values[0].index_select(0, batch.kv_indices), PagedMeta(cache, batch), window, None)
+    got = paged_attention.decode_attention(query, cache.keys[0], cache.values[0], batch, window, None)
+    assert got.shape == ref.shape == (1, rows, heads, dim)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_the_kernel_gives_the_same_tokens(work, monkeypatch):
+    random_llama = minibatch.load_model("random-llama", device=DEVICE, dtype=torch.float32)
+    kw = dict(max_new_tokens=8, max_batch_tokens=32, block_size=4)
+    flat = minibatch.generate(random_llama, work, **kw)
+    monkeypatch.setattr(random_llama, "decode_layout", True)
+    monkeypatch.setattr(random_llama, "kv_bucket", 8)
+    monkeypatch.setattr(random_llama, "decode_attention", "triton")
+    for mode in ("sync", "async"):
+        assert minibatch.generate(random_llama, work, mode=mode, **kw) == flat
