@@ -175,7 +175,7 @@ for n, ms in steps_ab:
 # 4.89 ms, 1.54x: just short of the 1.5x we aimed for. Production engines remove the gather with
 # attention kernels that read the paged cache in place (vLLM's paged attention, FlashInfer,
 # FlashAttention's paged variant); that copy is the next thing to go. `minibatch/paged_attention.py`
-# is a first such kernel, 60 lines of Triton that you can read next to `_decode_attention_sdpa`; it
+# is a first such kernel, 45 lines of Triton that you can read next to `_decode_attention_sdpa`; it
 # gives the same results, but it has not been timed on a GPU yet (an exercise for whoever has one).
 
 # %%
