@@ -23,6 +23,7 @@ Built-in names for `load_model`:
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,13 @@ class Model:
         compiled=True runs decode-layout steps through `torch.compile` (see `compiled_step`).
         """
         if compiled and batch.decode_rows:
+            shape = (batch.decode_rows, batch.kv_indices.shape[0] // batch.decode_rows, batch.all_greedy)
+            seen = self.__dict__.setdefault("_compiled_shapes", set())
+            if shape not in seen:  # a long silent pause otherwise: say what is happening
+                seen.add(shape)
+                print(f"torch.compile: decode step for {shape[0]} rows x {shape[1]} keys"
+                      f"{' (greedy)' if shape[2] else ''}: compiling, once per shape (~45 s for an 8B model)",
+                      file=sys.stderr, flush=True)
             return self.compiled_step()(batch, cache)
         return self._forward_sample(batch, cache)
 
