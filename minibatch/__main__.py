@@ -93,7 +93,8 @@ def bench_cmd(args) -> None:
         raise ValueError("+compile modes need a CUDA model (decode steps through torch.compile)")
     if args.warmup:  # untimed: first launches, cuDNN plans, compiles and (graphs on) the CUDA graph captures
         for mode in args.modes:
-            full = model.device.type == "cuda" and args.cuda_graphs != "off"
+            # full workload where shapes get captured or compiled, so none is left for the timed run
+            full = model.device.type == "cuda" and (args.cuda_graphs != "off" or mode.endswith("+compile"))
             bench.run_mode(model, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
                            **{**kw, "progress": False})
     results, outs = [], {}
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
                    help="decode-step attention (model.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
-                        "paged_attention.py, reads the KV cache in place)")
+                        "paged_attention.py, reads the KV cache in place). Decode-layout steps only: CUDA")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)

@@ -153,11 +153,12 @@ def generate(
         num_blocks = sum(need[:max_batch_size])
     # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
     rows = bucket(max_batch_size, ROW_BUCKETS)
-    kb = max(model.kv_bucket, model.decode_kv_bucket)
-    width = -(-max(r.max_len + 1 for r in requests) // kb) * kb
+    longest = max(r.max_len + 1 for r in requests)
+    width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
     shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
                    max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
-                   num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=bool(compile))
+                   num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=bool(compile),
+                   decode=(model.decode_attention, model.decode_kv_bucket))
     timeline = timeline if timeline is not None else Timeline()
     bar = None
     if progress:
@@ -201,6 +202,7 @@ class _Shape(NamedTuple):
     num_slots: int
     cuda_graphs: bool
     compiled: bool = False
+    decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
 
 
 def _resources(model: Model, dev, shape: _Shape):

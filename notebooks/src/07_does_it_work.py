@@ -152,7 +152,10 @@ for n, ms in steps_ab:
     print(f"{n:36} {ms:6.2f} ms  {ms / floor_ab:.2f}x floor")
 
 # %% [markdown]
-# Read it top to bottom; each line is one change, measured in one run:
+# Read it top to bottom; each of the first four bars is one more change, all measured in one process.
+# The last bar comes from a second process (`step_ab.py --compile`, its own floor: 4.64 ms again) and
+# goes back to 512 keys, because compiled runs pad to 256-key buckets to keep the number of shapes,
+# each a compilation, small:
 #
 # 1. **Greedy rows need no sort.** The sampler sorts the 128k-token vocabulary of every row (for
 #    top-k/top-p) even when every row is greedy. The host knows when a batch is all greedy, so it
@@ -163,7 +166,7 @@ for n, ms in steps_ab:
 #    *positions* of one head (`model._decode_attention_sdpa`): -4.3 ms.
 # 3. **Less padding.** Each row's keys are padded to a bucket; 64-key buckets instead of 256 read
 #    less padding (more CUDA graphs, one per bucket): -0.4 ms at this context.
-# 4. **Fewer kernels.** The step is still ~1700 kernels, most of them tiny elementwise operations
+# 4. **Fewer kernels** (the last bar, compared with the third). The step is still ~1700 kernels, most of them tiny elementwise operations
 #    of RMSNorm, rotary embedding and the MLP, each reading and writing a small tensor. `torch.compile`
 #    fuses them into 686 kernels (`generate(..., compile=True)`), at the price of about 45 s of
 #    compilation per decode shape on the 8B model.
@@ -216,9 +219,11 @@ for r in sweep:
           f"{r['sync']['device_busy']:.0%} -> {r['async']['device_busy']:.0%}")
 
 # %% [markdown]
-# The 1B shape gains most (ratio down to 0.61 at batch 64): its steps are short, so the host's
-# ~2.5 ms per step is a large share. The 8B shape at batch 1 gains least (0.84): its step is long
-# and the host's share small. The two small shapes are a warning: at batch 16 and more, even the
+# The 1B shape gains most (ratio down to 0.61 at batch 64): its steps are the shortest (16 layers),
+# so the host's ~2.5 ms per step is a large share. Size in parameters is not what counts: the 0.6B
+# shape has 28 layers, so more kernels and longer steps than the 1B one at small batches (157 against
+# 239 tok/s at batch 1), and gains less. The 8B shape at batch 1 and 4 gains least (0.84-0.85): its
+# step is long and the host's share small. The two small shapes are a warning: at batch 16 and more, even the
 # async loop leaves the device idle 3-11% of the time: their steps are so short that the host's work
 # for the next step takes about as long as the device's work for this one, and overlap cannot hide
 # more than the device's step.
@@ -235,11 +240,14 @@ print("".join(open(DATA + "gpu_profile_async_8b.txt").readlines()[:3]))
 
 # %% [markdown]
 # At the scale of steps they agree (98.8% against 98.9% once gaps shorter than 1 ms are counted as
-# busy). At the scale of kernels the device is idle 16% of the time *inside* the steps: between
-# consecutive kernels of a replayed CUDA graph (6 points in gaps under 5 µs, 7 more in gaps
-# under 100 µs, with the profiler's own overhead in both). The loop cannot remove those gaps; fewer,
-# bigger kernels can, which is what `torch.compile` does in section 3. Two measures, two questions:
-# "does the device ever wait for the host?" (ours) and "are the SMs ever idle?" (the profiler's).
+# busy). At the scale of kernels the device is idle 16% of the time, in gaps our events cannot see:
+# about 6 points in gaps under 5 µs, the launch gaps between consecutive kernels of a replayed CUDA
+# graph (section 3 measured about 0.6 ms of a 10.2 ms step); the other 10 in gaps of 5 µs to 1 ms,
+# between graph replays, around the copies and inside the eagerly run prefill steps (this profiled
+# run is short, 64 new tokens, so its prefill weighs more), with the profiler's own overhead in all
+# of them. Two measures, two questions: "does the device wait for the host?" (ours) and "is a
+# kernel running?" (the profiler's). Fewer, bigger kernels (`torch.compile`) shrink the first kind
+# of gap; the loop cannot.
 #
 # ## 6. What asynchrony costs: time to first token
 #
@@ -335,8 +343,8 @@ else:
 #   at batch 32 (ratio 0.79-0.81), with the same tokens as the synchronous loop; down to 0.61 for a
 #   1B-shaped model, where the host's share of a step is larger.
 # * A faster loop exposes the step: greedy argmax, fused attention and finer key buckets took the
-#   8B decode step from 15.5 to 9.8 ms, torch.compile to 7.2-7.6 ms, about 1.5x the weight floor;
-#   the gathered copy of the keys and values is most of what is left.
+#   8B decode step from 15.5 to 9.8 ms; torch.compile (at 256-key buckets) took it to 7.2-7.6 ms,
+#   about 1.5x the weight floor; the gathered copy of the keys and values is most of what is left.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
 #

@@ -1,6 +1,6 @@
 """Profile the async loop with CUDA graphs on the GPU: kernel breakdown of a decode step, and does our
-device-busy fraction agree with torch.profiler's kernel timeline? (Not yet run: prepared for the next
-GPU session; see BENCHMARKS.md.)
+device-busy fraction agree with torch.profiler's kernel timeline? (Run on the H200 in session 2:
+figures/data/gpu_profile_async_8b.txt, BENCHMARKS.md.)
 
     KINETO_LOG_LEVEL=5 python3 scripts/gpu/profile_async.py   # on the GPU machine; writes $OUT/profile_async.txt
 """
