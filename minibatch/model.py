@@ -81,6 +81,18 @@ class PagedMeta:
             self._masks[sliding_window] = m[None, None]
         return self._masks[sliding_window]
 
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[R, 1, 1, L] bool: may row r's query see key l of its row (decode layout)? Built once per forward."""
+        key = ("decode", sliding_window)
+        if key not in self._masks:
+            b, rows = self.batch, self.batch.decode_rows
+            q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
+            ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
+            if sliding_window:
+                ok &= q_pos - k_pos < sliding_window
+            self._masks[key] = ok[:, None, None, :]
+        return self._masks[key]
+
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: PagedMeta | None = kwargs.get("minibatch")
@@ -121,27 +133,9 @@ def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
     k = keys.view(rows, -1, kv_heads, dim)  # [R, L, KVH, D]
     v = values.view(rows, -1, kv_heads, dim)
     scores = torch.einsum("rhgd,rlhd->rhgl", q, k).float() * (scaling or dim**-0.5)
-    q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
-    ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=q.device)[:, None]) & (k_pos <= q_pos)
-    if window:
-        ok &= q_pos - k_pos < window
-    probs = scores.masked_fill(~ok[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
+    probs = scores.masked_fill(~meta.decode_mask(window), float("-inf")).softmax(-1).to(v.dtype)
     out = torch.einsum("rhgl,rlhd->rhgd", probs, v)  # [R, KVH, G, D]
     return out.reshape(1, rows, heads, dim)
-
-
-def _decode_mask(meta: PagedMeta, window) -> torch.Tensor:
-    """[R, 1, 1, L] bool: may row r's query see key l of its row? Built once per forward, shared by layers."""
-    key = ("decode", window)
-    if key not in meta._masks:
-        b = meta.batch
-        rows = b.decode_rows
-        q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
-        ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
-        if window:
-            ok &= q_pos - k_pos < window
-        meta._masks[key] = ok[:, None, None, :]
-    return meta._masks[key]
 
 
 def _decode_attention_sdpa(query, keys, values, meta: PagedMeta, window, scaling):
@@ -159,7 +153,7 @@ def _decode_attention_sdpa(query, keys, values, meta: PagedMeta, window, scaling
     q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
     k = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)  # [R, KVH, L, D]
     v = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_decode_mask(meta, window),
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask(window),
                                                            scale=scaling)
     return out.reshape(1, rows, heads, dim)
 
