@@ -60,7 +60,11 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSOR_FIELDS}
-        return Batch(**moved, decode_rows=self.decode_rows, all_greedy=self.all_greedy)
+        return Batch(**moved, **self.layout())
+
+    def layout(self) -> dict:
+        """The non-tensor fields (LAYOUT_FIELDS): what a step's shapes and code path depend on."""
+        return {n: getattr(self, n) for n in LAYOUT_FIELDS}
 
 
 #: the host-side layout facts that travel with a batch but are not tensors

@@ -60,7 +60,7 @@ class IOSlot:
         self.out_dev = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
-        self.decode_rows, self.all_greedy = 0, False
+        self.layout: dict = {}  # the loaded batch's Batch.layout()
 
     def load(self, batch: Batch, carry: list[int]) -> None:
         """Write a host batch into this slot's host buffers (the host must own the slot: see module doc)."""
@@ -76,7 +76,7 @@ class IOSlot:
         self.host["carry"].fill_(-1)
         self.host["carry"][: len(carry)] = torch.tensor(carry, dtype=torch.int64)
         self.sizes["carry"] = self.host["carry"].shape[0]
-        self.decode_rows, self.all_greedy = batch.decode_rows, batch.all_greedy
+        self.layout = batch.layout()
 
     def copy_in(self, sizes: dict[str, int]) -> None:
         """H2D: copy the used prefix of every host buffer to the device (call on the H2D stream)."""
@@ -101,9 +101,8 @@ class IOSlot:
             patched_ids=self.dev["patched_ids"][:n], input_ids=self.dev["input_ids"][:n],
             source=(prev or self).out_dev,  # sync loop: no previous slot, and the mask is all -1
             carry=self.dev["carry"], out=self.out_dev,
-            batch=Batch(**views, decode_rows=self.decode_rows, all_greedy=self.all_greedy),
-            key=(self.index, None if prev is None else prev.index, self.decode_rows, self.sizes["kv_indices"],
-                 self.all_greedy),
+            batch=Batch(**views, **self.layout),
+            key=(self.index, None if prev is None else prev.index, self.sizes["kv_indices"], *self.layout.values()),
         )
 
     def sampled(self, rows: int) -> list[int]:
@@ -121,7 +120,7 @@ class StepArgs:
     carry: torch.Tensor
     out: torch.Tensor
     batch: Batch
-    key: tuple  # (slot, previous slot, decode rows, keys, all greedy): one CUDA graph per key
+    key: tuple  # (slot, previous slot, keys, decode rows, all greedy): one CUDA graph per key
 
 
 def forward_step(model, cache, args: StepArgs, compiled: bool = False) -> None:
