@@ -70,18 +70,7 @@ class Timeline:
 
     def busy(self, lanes=DEVICE_LANES) -> float:
         """Seconds during which at least one of `lanes` was busy (union of their spans)."""
-        intervals = sorted((s.start, s.end) for s in self.spans if s.lane in lanes)
-        total, cur_start, cur_end = 0.0, None, None
-        for a, b in intervals:
-            if cur_end is None or a > cur_end:
-                if cur_end is not None:
-                    total += cur_end - cur_start
-                cur_start, cur_end = a, b
-            else:
-                cur_end = max(cur_end, b)
-        if cur_end is not None:
-            total += cur_end - cur_start
-        return total
+        return union_length((s.start, s.end) for s in self.spans if s.lane in lanes)
 
     def device_busy(self) -> float:
         """Fraction of wall time with the device doing something (H2D, compute or D2H)."""
@@ -154,3 +143,19 @@ class Timeline:
         busy = self.device_busy()
         ax.set_title(title or f"device busy {busy:.0%} of the time")
         return ax
+
+
+def union_length(intervals, bridge: float = 0.0) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once; gaps shorter than
+    `bridge` count as covered (0: only overlapping or touching intervals merge)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_end is None or a > cur_end + bridge:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
 from minibatch import bench  # noqa: E402
-from minibatch.timeline import DEVICE_LANES, Timeline  # noqa: E402
+from minibatch.timeline import DEVICE_LANES, Timeline, union_length as union  # noqa: E402
 
 out = Path(os.environ.get("OUT", "."))
 model = minibatch.load_model(os.environ.get("MODEL", "llama3-8b-shape"), device="cuda")
@@ -26,18 +26,6 @@ tl = Timeline()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     minibatch.generate(model, prompts, timeline=tl, **kw)
     torch.cuda.synchronize()
-
-
-def union(intervals, bridge=0.0):
-    """Total length of the union of intervals; gaps shorter than `bridge` count as covered."""
-    total, cur = 0.0, None
-    for a, b in sorted(intervals):
-        if cur is None or a > cur[1] + bridge:
-            total += 0 if cur is None else cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    return total + (0 if cur is None else cur[1] - cur[0])
 
 
 kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
