@@ -26,7 +26,6 @@ import minibatch  # noqa: E402
 from minibatch import bench  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
 from minibatch.graphs import ROW_BUCKETS  # noqa: E402
-from minibatch.model import PagedMeta  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
 
@@ -133,32 +132,24 @@ def main() -> None:
 
 
 def compiled(model) -> None:
-    """The sdpa + greedy decode step through torch.compile (Inductor fuses the small elementwise ops)."""
+    """The sdpa + greedy decode step through torch.compile (Model.compiled_step, as generate(compile=True))."""
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = 64
     cache, plan = decode_setup(model, 383)
     batch = build_batch(plan, cache, model.kv_bucket, True, ROW_BUCKETS, 256).to("cuda")
     batch.all_greedy = True
     model.decode_attention = "sdpa"
 
-    def raw(batch):
-        out = model.hf(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                       logits_to_keep=batch.logits_indices, use_cache=False,
-                       minibatch=PagedMeta(cache, batch, "sdpa"))
-        return out.logits[0].float().argmax(-1)
-
-    step = torch.compile(raw, dynamic=False)
     t = time.perf_counter()
     with torch.inference_mode():
         ref = model.step(batch, cache)
-        got = step(batch)
+        got = model.step(batch, cache, compiled=True)
         torch.cuda.synchronize()
         say(f"compile: first call {time.perf_counter() - t:.1f} s; same tokens as eager: "
             f"{torch.equal(ref, got)} ({(ref == got).float().mean().item():.0%})")
         counters = torch._dynamo.utils.counters
         say(f"  graph breaks: {sum(counters['graph_break'].values())} {dict(counters['graph_break'])}"[:600])
-        fn = lambda: step(batch)  # noqa: E731
+        fn = lambda: model.step(batch, cache, compiled=True)  # noqa: E731
         ms = graph_ms(fn)
         n, ksum, _ = kernel_stats(fn.graph.replay)
         say(f"compiled step in a CUDA graph: {ms:.2f} ms/step, {n:.0f} kernels, kernel sum {ksum:.2f} ms")
