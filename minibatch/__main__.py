@@ -78,8 +78,8 @@ def bench_cmd(args) -> None:
     model = load_model(args.model, device=args.device)
     if args.decode_attention != "auto":
         if args.decode_attention == "triton":
-            from . import paged_attention
-            if not paged_attention.available():
+            from . import triton_decode
+            if not triton_decode.available():
                 raise ValueError("--decode-attention triton needs the triton package (CUDA builds of PyTorch bring it)")
         model.decode_attention = args.decode_attention
     prompts = bench.random_prompts(args.num_prompts, args.prompt_len, model.vocab_size, args.seed)
@@ -173,8 +173,8 @@ def main(argv=None) -> None:
                         "of memory at the default on an H200)")
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
-                   help="decode-step attention (model.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
-                        "paged_attention.py, reads the KV cache in place). Decode-layout steps only: CUDA")
+                   help="decode-step attention (attention.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
+                        "triton_decode.py, reads the KV cache in place). Decode-layout steps only: CUDA")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)

@@ -13,7 +13,7 @@ each for B and C:
 Attention must not mix requests: token i may look at cached token j only if both belong to the same
 request and pos(j) <= pos(i). The keys to read are listed as `kv_indices` (cache slots, built from
 each request's block table) with their `kv_seq` and `kv_pos`; the attention function turns these
-into a mask on the device (model.py).
+into a mask on the device (attention.py).
 
 Everything here is built on the host (CPU) as int64 tensors, then copied to the device in one go.
 """

@@ -115,7 +115,7 @@ def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: boo
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from .model import ATTN_NAME
+    from .attention import ATTN_NAME
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     model.hf.set_attn_implementation("sdpa" if (major, minor) >= (5, 23) else "paged|sdpa")

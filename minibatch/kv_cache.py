@@ -15,7 +15,7 @@ so requests of any length share the pool without padding and without copying whe
                                    scratch   free: b1, b3, b5
 
 The block *allocator* is host-side bookkeeping (plain Python lists). The *storage* is device
-memory that only the attention function (model.py) reads and writes. One extra scratch block past
+memory that only the attention function (attention.py) reads and writes. One extra scratch block past
 the end of the pool absorbs writes from padding tokens, so padded batches never touch a real
 request's cache.
 

@@ -1,18 +1,9 @@
 """Loading a transformers causal LM and plugging the paged KV cache into it (notebook 00).
 
-We do not touch the model's architecture or kernels. transformers looks up each attention layer's
-implementation by name in `AttentionInterface`; we register one more name, "minibatch_paged", whose
-function receives the layer's query/key/value *after* RoPE, and
-
-  1. writes the new keys/values into our paged cache at `slot_mapping`,
-  2. reads the keys/values this batch needs (`kv_indices`, from the block tables),
-  3. runs scaled-dot-product attention over the ragged batch with a mask that keeps each token to
-     its own request and to positions at or before its own (and inside the sliding window, if any).
-
-The batch's metadata reaches the attention function as an extra keyword argument of the model's
-forward (`minibatch=...`); transformers passes unknown keyword arguments down to every attention
-call. Without it, the function falls back to transformers' own SDPA attention, so a loaded model
-still works with Hugging Face `generate` (the parity tests rely on this).
+We do not touch the model's architecture or kernels: importing this module registers our attention
+function with transformers under the name "minibatch_paged" (attention.py), and `load_model` sets
+every loaded model to use it. The batch's metadata reaches that function as an extra keyword
+argument of the model's forward (`minibatch=...`, see `Model._forward`).
 
 Built-in names for `load_model`:
   "tiny"                 a small byte-level Llama trained on Python's own help text (ships in the repo)
@@ -24,21 +15,19 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import PreTrainedModel
 
+from .attention import ATTN_NAME, PagedMeta
 from .batch import Batch
 from .kv_cache import PagedKVCache
 from .sampling import sample
 
-ATTN_NAME = "minibatch_paged"
 TINY_DIR = Path(__file__).parent / "assets" / "tiny"
 
 _TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -61,105 +50,6 @@ RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-@dataclass
-class PagedMeta:
-    """What the attention function needs besides q/k/v: the cache and this batch's index tensors."""
-
-    cache: PagedKVCache
-    batch: Batch
-    decode_attention: str = "einsum"  # decode-layout attention: "einsum", "sdpa" or "triton" (paged_attention.py)
-    _masks: dict = field(default_factory=dict)
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[1, 1, T, K] bool: may token t attend to cached slot k? Built once per forward, shared by layers."""
-        if sliding_window not in self._masks:
-            b = self.batch
-            q_pos, k_pos = b.positions[:, None], b.kv_pos[None, :]
-            m = (b.q_seq[:, None] == b.kv_seq[None, :]) & (k_pos <= q_pos)
-            if sliding_window:
-                m &= q_pos - k_pos < sliding_window
-            self._masks[sliding_window] = m[None, None]
-        return self._masks[sliding_window]
-
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[R, 1, 1, L] bool: may row r's query see key l of its row (decode layout)? Built once per forward."""
-        key = ("decode", sliding_window)
-        if key not in self._masks:
-            b, rows = self.batch, self.batch.decode_rows
-            q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
-            ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
-            if sliding_window:
-                ok &= q_pos - k_pos < sliding_window
-            self._masks[key] = ok[:, None, None, :]
-        return self._masks[key]
-
-
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    meta: PagedMeta | None = kwargs.get("minibatch")
-    if meta is None:  # a plain transformers call (e.g. HF generate): behave like SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    layer = module.layer_idx
-    k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
-    b = meta.batch
-    k_cache.index_copy_(0, b.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
-    v_cache.index_copy_(0, b.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if b.decode_rows and meta.decode_attention == "triton":  # reads the cache in place, no gathered copy
-        from .paged_attention import decode_attention
-        return decode_attention(query, k_cache, v_cache, b, window, scaling), None
-    keys = k_cache.index_select(0, b.kv_indices)  # [K, kv_heads, head_dim]
-    values = v_cache.index_select(0, b.kv_indices)
-    if b.decode_rows:
-        decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
-        return decode(query, keys, values, meta, window, scaling), None
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
-        scale=scaling, enable_gqa=query.shape[1] != keys.shape[1],
-    )
-    return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], no attention weights
-
-
-def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
-    """One query per row, each against its own row of keys: [rows, L] instead of a [T, K] mask.
-
-    Grouped-query attention without copying keys per query head: query heads are viewed as
-    [kv_heads, group] and matched with their shared key/value head inside the einsum.
-    """
-    b = meta.batch
-    rows, (_, heads, _, dim) = b.decode_rows, query.shape
-    kv_heads = keys.shape[1]
-    q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
-    k = keys.view(rows, -1, kv_heads, dim)  # [R, L, KVH, D]
-    v = values.view(rows, -1, kv_heads, dim)
-    scores = torch.einsum("rhgd,rlhd->rhgl", q, k).float() * (scaling or dim**-0.5)
-    probs = scores.masked_fill(~meta.decode_mask(window), float("-inf")).softmax(-1).to(v.dtype)
-    out = torch.einsum("rhgl,rlhd->rhgd", probs, v)  # [R, KVH, G, D]
-    return out.reshape(1, rows, heads, dim)
-
-
-def _decode_attention_sdpa(query, keys, values, meta: PagedMeta, window, scaling):
-    """The same attention as `_decode_attention`, in one fused SDPA kernel.
-
-    Trick: a decode row has one query token, and the `group` query heads that share a key/value head
-    all look at the same keys. So we hand SDPA the group as if it were `group` query *positions* of
-    one head: q [R, KVH, G, D] against k, v [R, KVH, L, D] (a strided view of the gathered keys, no
-    copy), with the row's key mask broadcast over the group. The fused kernel reads each key once,
-    keeps the scores in registers, and needs no float32 [R, H, L] tensor in memory.
-    """
-    b = meta.batch
-    rows, (_, heads, _, dim) = b.decode_rows, query.shape
-    kv_heads = keys.shape[1]
-    q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
-    k = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)  # [R, KVH, L, D]
-    v = values.view(rows, -1, kv_heads, dim).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask(window),
-                                                           scale=scaling)
-    return out.reshape(1, rows, heads, dim)
-
-
-AttentionInterface.register(ATTN_NAME, paged_attention)
-AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)  # masks for the HF-generate fallback path
 
 DEVICES = ("cpu", "cuda")
 
@@ -209,7 +99,7 @@ class Model:
         # rows padded to 512 keys, 9.82 ms at 384 (BENCHMARKS.md, step_ab).
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
         # decode-layout attention: "sdpa" (one fused kernel), "einsum" (the readable version) or
-        # "triton" (reads the paged cache in place; opt-in, not yet timed on a GPU: paged_attention.py)
+        # "triton" (reads the paged cache in place; opt-in, not yet timed on a GPU: triton_decode.py)
         self.decode_attention = "sdpa" if cuda else "einsum"
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:

@@ -1,4 +1,4 @@
-"""The Triton decode kernel (paged_attention.py) against the einsum reference.
+"""The Triton decode kernel (triton_decode.py) against the einsum reference.
 
 On a CPU the kernel runs in Triton's interpreter, which must be switched on before anything imports
 triton (torch and transformers do, if it is installed), so from the shell:
@@ -17,10 +17,10 @@ import torch
 pytest.importorskip("triton")
 
 import minibatch  # noqa: E402
-from minibatch import paged_attention  # noqa: E402
+from minibatch import triton_decode  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
 from minibatch.graphs import ROW_BUCKETS  # noqa: E402
-from minibatch.model import PagedMeta, _decode_attention  # noqa: E402
+from minibatch.attention import PagedMeta, _decode_attention  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_kernel_matches_the_einsum_reference(ctx_lens, window):
     query = torch.randn(1, heads, rows, dim, device=DEVICE)
     ref = _decode_attention(query, cache.keys[0].index_select(0, batch.kv_indices),
                             cache.values[0].index_select(0, batch.kv_indices), PagedMeta(cache, batch), window, None)
-    got = paged_attention.decode_attention(query, cache.keys[0], cache.values[0], batch, window, None)
+    got = triton_decode.decode_attention(query, cache.keys[0], cache.values[0], batch, window, None)
     assert got.shape == ref.shape == (1, rows, heads, dim)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 

@@ -163,7 +163,7 @@ for n, ms in steps_ab:
 # 2. **Attention in one fused kernel.** The readable version (`einsum`) writes float32 scores for
 #    every head and key to memory and reads them back; `scaled_dot_product_attention` keeps them on
 #    chip. The trick: the 4 query heads that share a key/value head are handed to it as 4 query
-#    *positions* of one head (`model._decode_attention_sdpa`): -4.3 ms.
+#    *positions* of one head (`attention._decode_attention_sdpa`): -4.3 ms.
 # 3. **Less padding.** Each row's keys are padded to a bucket; 64-key buckets instead of 256 read
 #    less padding (more CUDA graphs, one per bucket): -0.4 ms at this context.
 # 4. **Fewer kernels** (the last bar, compared with the third). The step is still ~1700 kernels, most of them tiny elementwise operations
@@ -177,7 +177,7 @@ for n, ms in steps_ab:
 # per row. The whole benchmark run measured the compiled decode step at 7.55 ms against a floor of
 # 4.89 ms, 1.54x: just short of the 1.5x we aimed for. Production engines remove the gather with
 # attention kernels that read the paged cache in place (vLLM's paged attention, FlashInfer,
-# FlashAttention's paged variant); that copy is the next thing to go. `minibatch/paged_attention.py`
+# FlashAttention's paged variant); that copy is the next thing to go. `minibatch/triton_decode.py`
 # is a first such kernel, 45 lines of Triton that you can read next to `_decode_attention_sdpa`; it
 # gives the same results, but it has not been timed on a GPU yet (an exercise for whoever has one).
 

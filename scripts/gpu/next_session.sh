@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared for the next GPU session (not yet run): time the Triton decode kernel that reads the paged
-# cache in place (paged_attention.py) against SDPA over a gathered copy, then the headline workload
+# cache in place (triton_decode.py) against SDPA over a gathered copy, then the headline workload
 # with it; its GPU correctness tests. Expected (BENCHMARKS.md): about -1 ms per 8B step at 512 keys
 # (the gather's cost), if the kernel streams K/V at the gather's ~4 TB/s.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

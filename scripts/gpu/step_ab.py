@@ -6,7 +6,7 @@
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
   decode attention  "einsum" (gathered keys, float32 scores in memory) vs "sdpa" (one fused kernel)
-                    vs "triton" (paged_attention.py: reads the cache in place, no gathered copy)
+                    vs "triton" (triton_decode.py: reads the cache in place, no gathered copy)
   sampling          the full sampler (sort over the vocabulary) vs the all-greedy argmax fast path
   decode bucket     keys per row padded to a multiple of 256 / 128 / 64
 Also: the weight-streaming floor at the same batch, kernels per step and their summed time inside a

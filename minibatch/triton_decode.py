@@ -4,7 +4,7 @@ Status: opt-in (`model.decode_attention = "triton"`), checked for correctness on
 Triton's interpreter (tests/test_paged_kernel.py, skipped where Triton is not installed); not yet
 timed on a GPU (BENCHMARKS.md says what it is meant to save).
 
-Why: the default decode attention (model.py) first copies every row's keys and values out of the
+Why: the default decode attention (attention.py) first copies every row's keys and values out of the
 cache (`index_select`) into a contiguous [rows, L] table, then runs SDPA over the copy. On the H200
 at 32 rows x 512 keys that copy cost ~1.0 ms per 8B step (eager kernel table of a 10.2 ms step; the
 compiled step still makes it): every byte is read,
