@@ -4,7 +4,7 @@ We do not touch the model's architecture or kernels. transformers looks up each 
 implementation by name in `AttentionInterface`; we register one more name, "minibatch_paged", whose
 function receives the layer's query/key/value *after* RoPE, and
 
-  1. writes the new keys/values into our paged cache at `slot_mapping`,
+  1. writes the new keys/values into our paged cache at `cell_mapping`,
   2. reads the keys/values this batch needs (`kv_indices`, from the block tables),
   3. runs scaled-dot-product attention over the ragged batch with a mask that keeps each token to
      its own request and to positions at or before its own (and inside the sliding window, if any).
@@ -44,7 +44,7 @@ class PagedMeta:
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[1, 1, T, K] bool: may token t attend to cached slot k? Built once per forward, shared by layers."""
+        """[1, 1, T, K] bool: may token t attend to cache cell k? Built once per forward, shared by layers."""
         if sliding_window not in self._masks:
             b = self.batch
             q_pos, k_pos = b.positions[:, None], b.kv_pos[None, :]
@@ -75,8 +75,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.keys[layer], meta.cache.values[layer]
     b = meta.batch
-    k_cache.index_copy_(0, b.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
-    v_cache.index_copy_(0, b.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache.index_copy_(0, b.cell_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, kv_heads, head_dim]
+    v_cache.index_copy_(0, b.cell_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if b.decode_rows and meta.decode_attention == "triton":  # reads the cache in place, no gathered copy
         from .triton_decode import decode_attention

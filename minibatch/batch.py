@@ -7,11 +7,11 @@ each for B and C:
     input_ids      a0 a1 a2 | b7 | c4        T = 5
     positions       0  1  2 |  7 |  4        RoPE needs the true position in each request
     q_seq           0  0  0 |  1 |  2        which chunk (row of the plan) each token belongs to
-    slot_mapping    where each token's key/value is written in the paged cache
+    cell_mapping    where each token's key/value is written in the paged cache
     logits_indices  2, 3, 4                  the last token of each chunk that samples
 
 Attention must not mix requests: token i may look at cached token j only if both belong to the same
-request and pos(j) <= pos(i). The keys to read are listed as `kv_indices` (cache slots, built from
+request and pos(j) <= pos(i). The keys to read are listed as `kv_indices` (cache cells, built from
 each request's block table) with their `kv_seq` and `kv_pos`; the attention function turns these
 into a mask on the device (attention.py).
 
@@ -36,10 +36,10 @@ class Batch:
     input_ids: torch.Tensor  # [T] token ids; 0 where the token is not known yet (async placeholder)
     positions: torch.Tensor  # [T]
     q_seq: torch.Tensor  # [T] chunk index of each token
-    slot_mapping: torch.Tensor  # [T] cache slot each token's K/V is written to
-    kv_indices: torch.Tensor  # [K] cache slots to read
-    kv_seq: torch.Tensor  # [K] chunk index of each slot read
-    kv_pos: torch.Tensor  # [K] position of each slot read
+    cell_mapping: torch.Tensor  # [T] cache cell each token's K/V is written to
+    kv_indices: torch.Tensor  # [K] cache cells to read
+    kv_seq: torch.Tensor  # [K] chunk index of each cell read
+    kv_pos: torch.Tensor  # [K] position of each cell read
     logits_indices: torch.Tensor  # [R] which of the T tokens produce a new token
     temperature: torch.Tensor  # [R] float32 sampling parameters, one row per sampled token
     top_k: torch.Tensor  # [R]
@@ -93,27 +93,27 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
                 row_buckets: tuple[int, ...] = (), decode_bucket: int | None = None) -> Batch:
     """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K.
 
-    kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch slot, which no
+    kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch cell, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
     every step: cuDNN attention builds a new plan for every new shape, measured at ~0.1-1 s each on
     an H200 (BENCHMARKS.md, foundation run).
 
     decode_layout: when every chunk is a single decode token, lay the keys out as a table of
-    [rows, L] (row r = request r's context, padded with the scratch slot to L, a multiple of
+    [rows, L] (row r = request r's context, padded with the scratch cell to L, a multiple of
     decode_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
-    slot). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
+    cell). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
     come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py). L is a multiple of
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
     graphs (model.py says which sizes we use and why).
     """
-    ids, pos, qseq, slots, logits_idx = [], [], [], [], []
+    ids, pos, qseq, cells, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
     for i, c in enumerate(plan.chunks):
         r = c.request
         ids.extend(input_token(r, p) for p in range(c.start, c.end))
         pos.extend(range(c.start, c.end))
         qseq.extend([i] * c.num_tokens)
-        slots.extend(cache.slots(r.blocks, c.start, c.end))
+        cells.extend(cache.cells(r.blocks, c.start, c.end))
         if c.sample:
             logits_idx.append(len(ids) - 1)
             s = r.sampling
@@ -122,11 +122,11 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     ends = [c.end for c in plan.chunks]
     tables = [c.request.blocks for c in plan.chunks]
     decode = decode_layout and all(c.num_tokens == 1 and c.sample for c in plan.chunks)
-    if decode:  # pad rows: a dummy token at position 0 that writes and reads only the scratch slot
+    if decode:  # pad rows: a dummy token at position 0 that writes and reads only the scratch cell
         for i in range(len(plan.chunks), bucket(len(plan.chunks), row_buckets)):
-            ids.append(0), pos.append(0), qseq.append(i), slots.append(cache.scratch_slot)
+            ids.append(0), pos.append(0), qseq.append(i), cells.append(cache.scratch_cell)
             logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0))
-            ends.append(1), tables.append([cache.scratch_slot // cache.block_size])
+            ends.append(1), tables.append([cache.scratch_cell // cache.block_size])
     kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, (decode_bucket or kv_bucket) if decode else kv_bucket,
                                            decode)
     temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
@@ -135,7 +135,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         input_ids=torch.tensor(ids, dtype=i64),
         positions=torch.tensor(pos, dtype=i64),
         q_seq=torch.tensor(qseq, dtype=i64),
-        slot_mapping=torch.tensor(slots, dtype=i64),
+        cell_mapping=torch.tensor(cells, dtype=i64),
         kv_indices=kv_indices,
         kv_seq=kv_seq,
         kv_pos=kv_pos,
@@ -151,11 +151,11 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
 
 def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_bucket: int, decode: bool):
-    """Cache slots to read for each chunk: every token 0..end-1 of its request, via its block table.
+    """Cache cells to read for each chunk: every token 0..end-1 of its request, via its block table.
 
     Flat layout: all chunks' keys end to end, padded at the end to a multiple of kv_bucket.
     Decode layout: one row of L = round_up(max(ends), kv_bucket) per chunk, each padded.
-    Padding entries point at the scratch slot with kv_seq = -1, so no query attends to them.
+    Padding entries point at the scratch cell with kv_seq = -1, so no query attends to them.
     """
     n = len(ends)
     ends_t = torch.tensor(ends, dtype=torch.int64)
@@ -168,8 +168,8 @@ def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_
         kv_pos = torch.arange(width).repeat(n, 1)  # [n, L]
         valid = kv_pos < ends_t[:, None]
         rows = torch.arange(n)[:, None].expand(n, width)
-        slots = table[rows, (kv_pos // bs).clamp(max=table.shape[1] - 1)] * bs + kv_pos % bs
-        kv_indices = torch.where(valid, slots, cache.scratch_slot).flatten()
+        cells = table[rows, (kv_pos // bs).clamp(max=table.shape[1] - 1)] * bs + kv_pos % bs
+        kv_indices = torch.where(valid, cells, cache.scratch_cell).flatten()
         kv_seq = torch.where(valid, rows, -1).flatten()
         return kv_indices, kv_seq, torch.where(valid, kv_pos, 0).flatten()
     kv_seq = torch.repeat_interleave(torch.arange(n), ends_t)
@@ -178,7 +178,7 @@ def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_
     kv_indices = table[kv_seq, kv_pos // bs] * bs + kv_pos % bs
     pad = -len(kv_indices) % kv_bucket
     if pad:
-        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_slot)])
+        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_cell)])
         kv_seq = torch.cat([kv_seq, torch.full((pad,), -1)])
         kv_pos = torch.cat([kv_pos, torch.zeros(pad, dtype=torch.int64)])
     return kv_indices, kv_seq, kv_pos

@@ -75,7 +75,7 @@ class StepRunner:
         graph = self.graphs[args.key] = self._capture(args)
         # the step's results come from the graph too, so that every graphed step uses the graph's
         # kernels (bf16 eager and graph kernels may round differently); running the step again is
-        # harmless: it writes the same KV slots and outputs, and carry-over is out of place
+        # harmless: it writes the same KV cells and outputs, and carry-over is out of place
         graph.replay()
 
     def _capture(self, args: StepArgs) -> torch.cuda.CUDAGraph:
@@ -113,7 +113,7 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
     runner = StepRunner(model, cache, use_graphs=True)
     with get_device(str(model.device)) as dev:
         width = -(-(context + 2) // model.kv_bucket) * model.kv_bucket
-        slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_slots + model.kv_bucket, rows * width), rows,
+        slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_cells + model.kv_bucket, rows * width), rows,
                         model.device) for i in range(2)]
         slots[0].load(runner.build(prefill), [])
         slots[0].copy_in(dict(slots[0].sizes))

@@ -1,8 +1,9 @@
 """Paged KV cache: a pool of fixed-size blocks, one block table per request (notebook 01).
 
 The keys and values of every token of every running request live in one big tensor per layer,
-cut into blocks of `block_size` token slots. A request owns a list of blocks (its *block table*);
-token number t of that request lives in slot
+cut into blocks of `block_size` cells, one cell per token (its key and value; "slot" is kept for the
+IO slots of notebook 04). A request owns a list of blocks (its *block table*);
+token number t of that request lives in cell
 
     block_table[t // block_size] * block_size + t % block_size
 
@@ -72,7 +73,7 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Device storage: per layer one key and one value tensor of shape [slots, kv_heads, head_dim]."""
+    """Device storage: per layer one key and one value tensor of shape [cells, kv_heads, head_dim]."""
 
     def __init__(
         self,
@@ -86,14 +87,14 @@ class PagedKVCache:
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        self.num_slots = (num_blocks + 1) * block_size  # + the scratch block
-        self.scratch_slot = num_blocks * block_size
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.num_cells = (num_blocks + 1) * block_size  # + the scratch block
+        self.scratch_cell = num_blocks * block_size
+        shape = (self.num_cells, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
 
-    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Physical slots of tokens start..end-1 of a request with this block table."""
+    def cells(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Physical cells of tokens start..end-1 of a request with this block table."""
         bs = self.block_size
         return [block_table[t // bs] * bs + t % bs for t in range(start, end)]
 

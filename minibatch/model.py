@@ -141,7 +141,7 @@ class Model:
         """
         if compiled and batch.decode_rows:
             shape = (batch.decode_rows, batch.kv_indices.shape[0] // batch.decode_rows, batch.all_greedy,
-                     cache.num_slots)  # the cache's size is part of the compiled shape too
+                     cache.num_cells)  # the cache's size is part of the compiled shape too
             seen = self.__dict__.setdefault("_compiled_shapes", set())
             if shape not in seen:  # a long silent pause otherwise: say what is happening
                 seen.add(shape)

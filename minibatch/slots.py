@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from .batch import TENSOR_FIELDS, Batch
 from .device import Device
 
-INT_FIELDS = ("input_ids", "positions", "q_seq", "slot_mapping", "kv_indices", "kv_seq", "kv_pos",
+INT_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "kv_indices", "kv_seq", "kv_pos",
               "logits_indices", "top_k", "seed", "counter")
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
-EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "slot_mapping": "T",
+EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
           "kv_indices": "K", "kv_seq": "K", "kv_pos": "K"}
 
 

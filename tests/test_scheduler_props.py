@@ -54,7 +54,7 @@ def test_scheduler_invariants(w):
         for c, k in zip(plan.chunks, range(len(plan.chunks))):
             own = {b * bs + o for b in c.request.blocks for o in range(bs)}
             assert set(batch.kv_indices[batch.kv_seq == k].tolist()) <= own
-            assert set(batch.slot_mapping[batch.q_seq == k].tolist()) <= own
+            assert set(batch.cell_mapping[batch.q_seq == k].tolist()) <= own
         assert batch.num_tokens == plan.num_tokens
         sched.update(plan, [fake_token(c.request, c.end) for c in plan.sampling_chunks])
         steps += 1

@@ -50,13 +50,13 @@ for r in requests:
 #
 # Each layer of the model stores a *key* and a *value* vector for every token it has seen, so that
 # the next step does not recompute them. We keep them in one pool of fixed-size **blocks**; each
-# request owns a list of blocks, its **block table**. Token `t` of a request lives in slot
+# request owns a list of blocks, its **block table**. Token `t` of a request lives in cell
 # `block_table[t // block_size] * block_size + t % block_size`. No padding, no copying when a
 # request grows.
 
 # %%
 cache = model.make_cache(num_blocks=24, block_size=8)
-print(f"{cache.allocator.num_blocks} blocks of {cache.block_size} slots, "
+print(f"{cache.allocator.num_blocks} blocks of {cache.block_size} cells, "
       f"{len(cache.keys)} layers, {cache.nbytes / 1e6:.2f} MB")
 sched = Scheduler(cache.allocator, max_batch_tokens=16, max_batch_size=3)
 for r in requests:
@@ -84,22 +84,22 @@ for r in requests:
 # %% [markdown]
 # Request 0 (18 tokens with BOS) does not fit the 16-token budget: it gets its first 16 tokens now
 # and the rest next step. The other requests wait, since the budget is spent. Request 0 already
-# owns 4 blocks of 8 slots: room for its 18 prompt tokens and the 12 it may generate (`minibatch`
+# owns 4 blocks of 8 cells: room for its 18 prompt tokens and the 12 it may generate (`minibatch`
 # reserves a request's whole need when it admits it, so it never runs out half-way).
 #
 # ## 5. A ragged batch
 #
 # The device sees one flat sequence: all chunks end to end, no padding. Besides the token ids it
-# needs each token's position (for the rotary embeddings), the cache slot its key/value goes to,
+# needs each token's position (for the rotary embeddings), the cache cell its key/value goes to,
 # and which tokens' logits to sample from.
 
 # %%
 host = build_batch(plan, cache)
 print("input_ids     ", host.input_ids.tolist())
 print("positions     ", host.positions.tolist())
-print("slot_mapping  ", host.slot_mapping.tolist())
+print("cell_mapping  ", host.cell_mapping.tolist())
 print("logits_indices", host.logits_indices.tolist(), "(tokens that produce a new token)")
-print("keys read     ", len(host.kv_indices), "cache slots")
+print("keys read     ", len(host.kv_indices), "cache cells")
 
 # %% [markdown]
 # Let us run this step and a few more, calling the model directly (on the CPU, host tensors are
@@ -236,7 +236,7 @@ fig.savefig("../figures/01_sync_timeline_gpu.png", dpi=110)
 # * Continuous batching re-forms the batch every step: decode tokens first, then prefill chunks,
 #   then newcomers, under a token budget.
 # * The paged KV cache lets requests of any length share one pool of blocks.
-# * The batch is ragged: one flat sequence plus index tensors (positions, slots, logits indices).
+# * The batch is ragged: one flat sequence plus index tensors (positions, cache cells, logits indices).
 # * In the synchronous loop the host and the device take turns: whenever one works, the other waits.
 #
 # ## Exercise

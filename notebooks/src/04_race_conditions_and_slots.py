@@ -93,7 +93,7 @@ print("same as the reference?", broken == reference)
 
 # %% [markdown]
 # Wrong text: the continuations changed and drift into nonsense words, because each step computed
-# with the inputs (token ids, positions, cache slots) of another step. Which wrong tokens come out
+# with the inputs (token ids, positions, cache cells) of another step. Which wrong tokens come out
 # depends on timing; that they are wrong does not. The timeline shows why: each `prepare` (the host
 # writing the slot, the thin blue marks) happens while the H2D stream still sleeps (orange), so the
 # copy that follows carries the newer step's inputs.

@@ -73,7 +73,7 @@ def async_loop(model, prompts, max_new_tokens, budget=32, seats=4, seed=3, timel
     run = partial(forward_step, model, cache)  # device work: carry-over, forward, sample
     with get_device(str(model.device), tl) as dev:
         streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-        slots = [IOSlot(dev, i, budget, cache.num_slots, seats, model.device) for i in (0, 1)]
+        slots = [IOSlot(dev, i, budget, cache.num_cells, seats, model.device) for i in (0, 1)]
         in_flight, n = None, 0  # (plan, slot) of the batch the device is running
         while sched.has_work():
             launched = None
