@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 

@@ -28,7 +28,7 @@ import torch
 from dataclasses import dataclass
 
 from .batch import TENSOR_FIELDS, Batch
-from .device import Device
+from .device_base import Device
 
 INT_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "kv_indices", "kv_seq", "kv_pos",
               "logits_indices", "top_k", "seed", "counter")

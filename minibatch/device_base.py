@@ -1,0 +1,52 @@
+"""The device interface: what every backend offers (notebooks 02, 03).
+
+Streams, events and a device, as abstract classes, and the two errors a device raises. Backends
+(`cuda_device.py`, `cpu_device.py`) implement them; `device.py` opens one. This module imports no
+backend, so a backend can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DeviceError(RuntimeError):
+    """Work on the device failed, or the device was used wrongly; raised in the host."""
+
+
+class DeviceTimeoutError(DeviceError, TimeoutError):
+    """A host wait (synchronize) ran past its timeout."""
+
+
+class Event:
+    """A marker recorded in a stream: `query() -> bool` (reached yet?), `synchronize(timeout=None)`."""
+
+
+class Stream:
+    """An ordered queue of device work: `launch`, `copy`, `record`, `wait`, `sleep`, `synchronize`."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class Device:
+    """A device: `stream(name)` (the same name gives the same stream), `default_stream`, `event()`,
+    `synchronize(timeout=None)`, `pin(tensor)`, `empty(shape, dtype)`, `close()`; a context manager."""
+
+    kind: str
+    default_stream: Stream
+    timeline: Any
+
+    def flush_timeline(self) -> None:
+        """Add finished device spans to the timeline (the cpu workers add theirs themselves)."""
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} streams={sorted(self._streams)}>"
