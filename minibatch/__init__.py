@@ -4,12 +4,15 @@
     model = minibatch.load_model("tiny")
     outs = minibatch.generate(model, ["The for statement"], max_new_tokens=64)
 
+    with minibatch.Engine(model) as engine:       # keeps its KV cache, IO slots and CUDA graphs
+        outs = engine.generate(["The for statement"], max_new_tokens=64, mode="async")
+
 See README.md for the notebook map; each module's docstring says which notebook explains it.
 """
 
-from .engine import generate
+from .engine import Engine, generate
 from .model import Model, load_model
 from .timeline import Timeline
 
 __version__ = "0.1.0"
-__all__ = ["generate", "load_model", "Model", "Timeline", "__version__"]
+__all__ = ["Engine", "generate", "load_model", "Model", "Timeline", "__version__"]

@@ -36,6 +36,7 @@ def demo(args) -> None:
     import matplotlib.pyplot as plt
 
     from . import bench
+    from .engine import Engine
     from .model import load_model
 
     model = load_model(args.model, device=args.device)
@@ -50,12 +51,14 @@ def demo(args) -> None:
     kw = dict(eos_token_id=tok.eos_token_id, max_batch_size=4, max_batch_tokens=32, temperature=args.temperature,
               seed=args.seed)
     results, timelines, outs = [], [], None
+    engine = Engine(model)
     for mode in args.modes:
-        r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
+        r, tl, o = bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
         results.append(r), timelines.append(tl)
         if outs is not None and o != outs:
             raise SystemExit(f"error: mode {mode} gave different tokens than {args.modes[0]}")
         outs = o
+    engine.close()
     for p, o in zip(DEMO_PROMPTS, outs):
         print(f"  {p!r} -> {tok.decode(o)!r}")
     print()
@@ -73,6 +76,7 @@ def demo(args) -> None:
 
 def bench_cmd(args) -> None:
     from . import bench
+    from .engine import Engine
     from .model import load_model
 
     model = load_model(args.model, device=args.device)
@@ -91,30 +95,31 @@ def bench_cmd(args) -> None:
               progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
     if any(m.endswith("+compile") for m in args.modes) and model.device.type != "cuda":
         raise ValueError("+compile modes need a CUDA model (decode steps through torch.compile)")
+    engine = Engine(model)  # one engine for every mode: CUDA graphs are captured once, in the warm-up
     if args.warmup:  # untimed: first launches, cuDNN plans, compiles and (graphs on) the CUDA graph captures
         for mode in args.modes:
             # full workload where shapes get captured or compiled, so none is left for the timed run
             full = model.device.type == "cuda" and (args.cuda_graphs != "off" or mode.endswith("+compile"))
-            bench.run_mode(model, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
+            bench.run_mode(engine, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
                            **{**kw, "progress": False})
     results, outs = [], {}
     for mode in args.modes:
-        r, tl, o = bench.run_mode(model, prompts, mode, args.max_new_tokens, **kw)
+        r, tl, o = bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
         results.append(r)
         outs[mode] = o
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             tl.save(Path(args.out) / f"timeline_{mode.replace('+', '-')}.json")  # no "+" in file names
-    if args.hf:  # transformers' continuous batching: its default, or (--hf-all) each of its four modes
+    engine.close()  # frees the device for transformers' runs below
+    if args.hf:  # transformers' continuous batching, each mode in a process of its own (bench.hf_in_own_process)
         configs = [dict()]
         if args.hf_all:
             graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
             configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs]
         for c in configs:
             try:
-                if args.warmup:  # untimed, like ours: its first launches and captures
-                    bench.hf_generate_batch(model, prompts, args.max_new_tokens, **c)
-                r, o = bench.hf_generate_batch(model, prompts, args.max_new_tokens, **c)
+                r, o = bench.hf_in_own_process(args.model, str(model.device), prompts, args.max_new_tokens, c,
+                                               warmup=args.warmup)
             except Exception as e:  # noqa: BLE001 - one failing HF mode must not lose the others' numbers
                 print(f"transformers generate_batch {c} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 continue

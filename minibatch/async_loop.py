@@ -25,38 +25,39 @@ Being one step behind has two consequences, both handled here and in the schedul
 from __future__ import annotations
 
 from .carry_over import carry_over_mask
-from .slots import IOSlot, launch_step
+from .step import launch_step
 
 
-def run_async(runner, scheduler, timeline, dev, streams, slots: list[IOSlot], on_step=None,
-              timeout: float | None = None, delays: dict | None = None) -> None:
-    """Run until every request has finished, overlapping host work with device work."""
-    in_flight = None  # (plan, slot) of the batch the device is running
-    n_launched = 0
-    while scheduler.has_work():
-        launched = None
-        if scheduler.has_unplanned_work():
-            step = scheduler.step
-            slot = slots[n_launched % len(slots)]  # two slots alternate (one: the race of notebook 04)
-            with timeline.span("CPU", "prepare", step, slot.index):
-                plan = scheduler.schedule()
-                if plan.chunks:
-                    prev_plan = in_flight[0] if in_flight else None
-                    slot.load(runner.build(plan), carry_over_mask(prev_plan, plan))
+def async_step(run) -> list:
+    """One turn of the loop: plan and launch batch N+1, then wait for batch N and update with it.
+
+    `run` (engine.Run) holds the scheduler, streams, slots and runner, and the batch in flight.
+    Returns the requests that finished with batch N.
+    """
+    scheduler, timeline, in_flight = run.scheduler, run.timeline, run.in_flight
+    launched = None
+    if scheduler.has_unplanned_work():
+        step = scheduler.step
+        slot = run.slots[run.launched % len(run.slots)]  # two slots alternate (one: the race of notebook 04)
+        with timeline.span("CPU", "prepare", step, slot.index):
+            plan = scheduler.schedule()
             if plan.chunks:
-                launch_step(runner, streams, slot, in_flight[1] if in_flight else None, step, delays)
-                launched = (plan, slot)
-                n_launched += 1
-        if in_flight is None and launched is None:
-            raise RuntimeError("the scheduler planned an empty step while nothing is in flight: "
-                               "no request can be admitted (is the KV cache too small?)")
-        if in_flight is not None:
-            plan_n, slot_n = in_flight
-            with timeline.span("CPU", "wait", plan_n.step, slot_n.index):
-                slot_n.d2h_done.synchronize(timeout)
-            with timeline.span("CPU", "update", plan_n.step, slot_n.index):
-                done = scheduler.update(plan_n, slot_n.sampled(len(plan_n.sampling_chunks)))
-            if on_step is not None:
-                on_step(plan_n, done)
-        in_flight = launched
-    dev.synchronize(timeout)
+                prev_plan = in_flight[0] if in_flight else None
+                slot.load(run.runner.build(plan), carry_over_mask(prev_plan, plan))
+        if plan.chunks:
+            launch_step(run.runner, run.streams, slot, in_flight[1] if in_flight else None, step, run.delays)
+            launched = (plan, slot)
+            run.launched += 1
+    if in_flight is None and launched is None:
+        raise RuntimeError("the scheduler planned an empty step while nothing is in flight: "
+                           "no request can be admitted (is the KV cache too small?)")
+    done = []
+    if in_flight is not None:
+        plan_n, slot_n = in_flight
+        with timeline.span("CPU", "wait", plan_n.step, slot_n.index):
+            slot_n.d2h_done.synchronize(run.timeout)  # the loop's one wait on the device
+        with timeline.span("CPU", "update", plan_n.step, slot_n.index):
+            done = scheduler.update(plan_n, slot_n.sampled(len(plan_n.sampling_chunks)))
+        run.stepped(plan_n, done)
+    run.in_flight = launched
+    return done

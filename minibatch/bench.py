@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import transformers
 
-from .engine import generate
+from .engine import Engine, generate
 from .model import Model
 from .timeline import Timeline
 
@@ -41,7 +44,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def run_mode(model: Model, prompts, mode: str, max_new_tokens: int, **kw) -> tuple[Result, Timeline, list]:
+def run_mode(model: Model | Engine, prompts, mode: str, max_new_tokens: int, **kw) -> tuple[Result, Timeline, list]:
+    """One timed run of `prompts` in `mode` ("sync", "async", each optionally "+compile"). Pass an Engine
+    to keep its resources (and CUDA graphs) from one run to the next."""
     tl = Timeline()
     decode_steps: set[int] = set()  # steps in which every chunk is one decode token
 
@@ -67,7 +72,8 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
-def environment(model: Model) -> dict:
+def environment(model: Model | Engine) -> dict:
+    model = model.model if isinstance(model, Engine) else model
     dev = str(model.device)
     if model.device.type == "cuda":
         dev = torch.cuda.get_device_name(model.device)
@@ -107,11 +113,12 @@ def save_json(path, model: Model, results: list[Result], workload: dict) -> None
 
 def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: bool | None = None,
                       use_graphs: bool | None = None, memory: float | None = None) -> tuple[Result, list]:
-    """The same workload through transformers' own continuous batching (`generate_batch`).
+    """The same workload through transformers' own continuous batching (`generate_batch`), in this process.
 
     use_async / use_graphs / memory map to its ContinuousBatchingConfig (None: its default). The
     model's attention implementation is switched to transformers' paged one for the call, then back.
-    Its wall time includes its own warm-up (graph captures), as a user would see it.
+    Its wall time includes its own warm-up (graph captures), as a user would see it. For a fair
+    comparison run it where nothing else holds device memory: `hf_in_own_process`.
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -134,6 +141,40 @@ def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: boo
     tokens = [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
     n = sum(len(t) for t in tokens)
     return Result(label, wall, n, n / wall, float("nan"), float("nan"), 0), tokens
+
+
+def hf_in_own_process(model_name: str, device: str, prompts, max_new_tokens: int, config: dict,
+                      warmup: bool = False, timeout: float = 1800.0) -> tuple[Result, list]:
+    """`hf_generate_batch` in a fresh Python process that loads `model_name` itself.
+
+    Why a process of its own: transformers sizes its KV cache from the device memory it finds free, so
+    run after our engine (whose cache and graphs still hold memory) it gets less of it and runs slower
+    than it would alone. A fresh process gives it the whole device, as a user would run it. The model
+    must be loadable by name (a built-in name with the same seed gives the same random weights).
+    Raises RuntimeError with the child's last lines if it fails.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps(dict(model=model_name, device=device, prompts=[list(p) for p in prompts],
+                                        max_new_tokens=max_new_tokens, config=config, warmup=warmup)))
+        proc = subprocess.run([sys.executable, "-m", "minibatch.bench", str(spec), str(out)], capture_output=True,
+                              text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"transformers run in its own process failed (exit {proc.returncode}): {tail}")
+        got = json.loads(out.read_text())
+    return Result(**got["result"]), got["tokens"]
+
+
+def _hf_child(spec_path: str, out_path: str) -> None:
+    from .model import load_model
+
+    spec = json.loads(Path(spec_path).read_text())
+    model = load_model(spec["model"], device=spec["device"])
+    if spec["warmup"]:  # untimed, like ours: its first launches and captures
+        hf_generate_batch(model, spec["prompts"], spec["max_new_tokens"], **spec["config"])
+    result, tokens = hf_generate_batch(model, spec["prompts"], spec["max_new_tokens"], **spec["config"])
+    Path(out_path).write_text(json.dumps({"result": asdict(result), "tokens": tokens}))
 
 
 def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:
@@ -167,3 +208,7 @@ def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:
         if model.device.type == "cuda":
             torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeats * 1e3
+
+
+if __name__ == "__main__":  # the child process of hf_in_own_process
+    _hf_child(sys.argv[1], sys.argv[2])

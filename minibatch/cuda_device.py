@@ -138,12 +138,17 @@ class CudaDevice(Device):
 
     def __init__(self, device: torch.device, timeline=None) -> None:
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.timeline = timeline
+        self.timeline = None
         self.default_stream = CudaStream(self, "default", torch.cuda.default_stream(self.device))
         self._streams: dict[str, CudaStream] = {"default": self.default_stream}
         self._pending: list[tuple] = []  # (start event, end event, lane, name, step, slot)
         self._closed = False
         self._ref: tuple[torch.cuda.Event, float] | None = None
+        self.set_timeline(timeline)
+
+    def set_timeline(self, timeline) -> None:
+        self.flush_timeline()
+        self.timeline, self._pending, self._ref = timeline, [], None
         if timeline is not None:  # pair a GPU timestamp with the host clock, once, with the GPU idle
             torch.cuda.synchronize(self.device)
             ref, host = torch.cuda.Event(enable_timing=True), timeline.now()

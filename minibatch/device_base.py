@@ -39,6 +39,11 @@ class Device:
     default_stream: Stream
     timeline: Any
 
+    def set_timeline(self, timeline) -> None:
+        """Send later device spans to `timeline` (a device outlives runs; each run has its own timeline)."""
+        self.flush_timeline()
+        self.timeline = timeline
+
     def flush_timeline(self) -> None:
         """Add finished device spans to the timeline (the cpu workers add theirs themselves)."""
 

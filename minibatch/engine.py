@@ -1,28 +1,322 @@
-"""`minibatch.generate`: check the input, set up cache, slots and scheduler, run a loop (notebook 00;
-the loops themselves are notebooks 01 and 06).
+"""The engine: one model's device, KV cache, IO slots, step runner and CUDA graphs (notebook 00; the
+loops it steps are notebooks 01 and 06).
 
-The sync and async loops share everything here; `mode` only picks which loop runs.
+    engine = Engine(model)                      # opens the device, like a CUDA context
+    engine.start(requests, mode="async")        # a run: scheduler, cache, slots, runner
+    while engine.has_work():
+        engine.step()                           # schedule -> launch -> update (one loop turn)
+    engine.finish()                             # synchronize, check that every KV block came back
+    engine.close()
+
+`engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
+wrapper that builds an engine for one call. Keep an engine to keep its resources: CUDA graphs are
+bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
+`keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
+Resources are dropped only after the device has finished with them.
+
+The sync and async loops share everything here; `mode` only picks which step function runs
+(sync_loop.sync_step or async_loop.async_step).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .async_loop import run_async
+from .async_loop import async_step
 from .batch import bucket
 from .device import get_device
-from .graphs import ROW_BUCKETS, StepRunner
+from .device_base import DeviceError
 from .model import Model
 from .requests import Request, SamplingParams
 from .scheduler import Scheduler
 from .slots import IOSlot
-from .sync_loop import run_sync
+from .step import ROW_BUCKETS, CompiledStep, StepRunner
+from .sync_loop import sync_step
 from .timeline import Timeline
 
 MODES = ("sync", "async")
+STEPS = {"sync": sync_step, "async": async_step}
+
+
+class _Shape(NamedTuple):
+    """Everything that fixes the sizes (and so the addresses) of a run's cache, slots and graphs."""
+
+    num_blocks: int
+    block_size: int
+    max_tokens: int
+    max_keys: int
+    rows: int
+    num_slots: int
+    cuda_graphs: bool
+    compiled: bool = False
+    decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
+
+
+@dataclass
+class Resources:
+    """What a run of one shape allocates: the KV cache, the IO slots and the step runner (with its graphs)."""
+
+    cache: object
+    slots: list
+    runner: StepRunner
+
+
+@dataclass
+class Run:
+    """One `generate` call in progress: what the step functions of the two loops read and update."""
+
+    scheduler: Scheduler
+    requests: list
+    timeline: Timeline
+    streams: tuple
+    slots: list
+    runner: StepRunner
+    timeout: float | None
+    delays: dict | None
+    on_step: Callable | None
+    shape: _Shape
+    in_flight: tuple | None = None  # async: (plan, slot) of the batch the device is running
+    launched: int = 0  # async: steps launched so far (picks the slot)
+
+    def stepped(self, plan, done) -> None:
+        if self.on_step is not None:
+            self.on_step(plan, done)
+
+
+class Engine:
+    """One model's inference engine. Use it in a `with` block, or call `close()`."""
+
+    def __init__(self, model: Model, keep: int = 4) -> None:
+        if not isinstance(model, Model):
+            raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
+        self.model, self.keep = model, keep
+        self.dev = None  # opened on first use, kept until close()
+        self.kept: OrderedDict[_Shape, Resources] = OrderedDict()
+        self.run: Run | None = None
+        self._compiled: CompiledStep | None = None
+
+    # --- a run, step by step ------------------------------------------------------------------------
+    def start(self, requests: list[Request], mode: str = "sync", *, timeline: Timeline | None = None,
+              max_batch_tokens: int = 256, max_batch_size: int | None = None, block_size: int = 16,
+              num_blocks: int | None = None, num_slots: int | None = None, cuda_graphs: bool | None = None,
+              compile: bool = False, inject_delays: dict | None = None, timeout: float | None = 600.0,
+              on_step: Callable | None = None) -> Run:
+        """Set up a run of `requests` (checked already, see `generate`); `step()` then advances it."""
+        model = self.model
+        if max_batch_size is None:
+            max_batch_size = min(32, max_batch_tokens)
+        if num_slots is None:
+            num_slots = 2 if mode == "async" else 1
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda"
+        if num_blocks is None:
+            need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
+            num_blocks = sum(need[:max_batch_size])
+        # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
+        rows = bucket(max_batch_size, ROW_BUCKETS)
+        longest = max(r.max_len + 1 for r in requests)
+        width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
+        shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
+                       max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
+                       num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=compile,
+                       decode=(model.decode_attention, model.decode_kv_bucket))
+        dev = self._device()
+        timeline = timeline if timeline is not None else Timeline()
+        dev.set_timeline(timeline)
+        res = self._resources(shape)
+        scheduler = Scheduler(res.cache.allocator, max_batch_tokens, max_batch_size)
+        for r in requests:
+            scheduler.add(r)
+        streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
+        self.run = Run(scheduler, requests, timeline, streams, res.slots, res.runner, timeout, inject_delays,
+                       on_step, shape)
+        self._step_fn = STEPS[mode]
+        return self.run
+
+    def has_work(self) -> bool:
+        return self.run is not None and self.run.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """One turn of the loop: schedule, launch, update. Returns the requests that finished."""
+        return self._step_fn(self.run)
+
+    def finish(self) -> list[Request]:
+        """End the run: wait for the device, check that every KV block came back; its requests, in order."""
+        run = self.run
+        self.dev.synchronize(run.timeout)
+        cache = self.kept[run.shape].cache
+        if cache.allocator.num_free != cache.allocator.num_blocks:
+            raise RuntimeError(f"KV blocks leaked: {cache.allocator.num_blocks - cache.allocator.num_free} "
+                               "still owned after the run")
+        self.run = None
+        return run.requests
+
+    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "sync", temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 eos_token_id: int | Sequence[int] | None = None, timeline: Timeline | None = None,
+                 max_batch_size: int | None = None, max_batch_tokens: int = 256, block_size: int = 16,
+                 num_blocks: int | None = None, progress: bool = False,
+                 arrival_steps: Sequence[int] | None = None, on_step: Callable | None = None,
+                 cuda_graphs: bool | None = None, compile: bool = False, num_slots: int | None = None,
+                 inject_delays: dict[str, float] | None = None, timeout: float | None = 600.0) -> list[list[int]]:
+        """Continue every prompt; return the new tokens of each, in prompt order.
+
+        Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
+        on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
+        `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
+        fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
+        `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
+        requests). `timeout` bounds every host wait on the device (seconds): a device that
+        stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
+        which prompt i reaches the server, to simulate requests arriving while the loop runs.
+        `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (step.py).
+        `compile=True` (CUDA only) runs decode steps through torch.compile first (step.CompiledStep).
+        `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
+        seconds slept on that stream before each step's work) exist to show the race of notebook 04.
+        `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
+        """
+        model = self.model
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+        for name, value in (("max_new_tokens", max_new_tokens), ("max_batch_tokens", max_batch_tokens),
+                            ("block_size", block_size), ("max_batch_size", max_batch_size),
+                            ("num_blocks", num_blocks)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_batch_tokens < (max_batch_size or 1):
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
+                             "every running request needs room for its decode token")
+        token_lists = _as_token_lists(prompts, model)
+        eos_token_id = _eos_ids(eos_token_id, model.vocab_size)
+        limit = model.max_positions
+        for i, p in enumerate(token_lists):
+            if limit and len(p) + max_new_tokens > limit:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
+                                 f"exceed the model's {limit} positions")
+        if arrival_steps is None:
+            arrival_steps = [0] * len(token_lists)
+        if len(arrival_steps) != len(token_lists) or any(
+                not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in arrival_steps):
+            raise ValueError("arrival_steps needs one integer >= 0 per prompt")
+        if num_slots is not None and num_slots not in (1, 2):
+            raise ValueError(f"num_slots must be 1 or 2, got {num_slots!r}")
+        if inject_delays and set(inject_delays) - {"H2D", "compute", "D2H"}:
+            raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
+        if compile and model.device.type != "cuda":
+            raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path "
+                             "stays eager: compiling would take longer than the tiny model's whole run)")
+        requests = [Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id,
+                            arrival_step=a) for i, (p, a) in enumerate(zip(token_lists, arrival_steps))]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
+        try:
+            self.start(requests, mode, timeline=timeline, max_batch_tokens=max_batch_tokens,
+                       max_batch_size=max_batch_size, block_size=block_size, num_blocks=num_blocks,
+                       num_slots=num_slots, cuda_graphs=cuda_graphs, compile=compile, inject_delays=inject_delays,
+                       timeout=timeout, on_step=on_step)
+            while self.has_work():
+                done = self.step()
+                if bar is not None and done:
+                    bar.update(len(done))
+            self.finish()
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r.output for r in requests]
+
+    # --- resources ----------------------------------------------------------------------------------
+    def _device(self):
+        if self.dev is None:
+            self.dev = get_device(str(self.model.device))
+        return self.dev
+
+    def _resources(self, shape: _Shape) -> Resources:
+        """The kept resources of this shape (most recently used now), or new ones; the least recently
+        used set beyond `keep` is dropped, after the device has finished with it."""
+        if shape in self.kept:
+            self.kept.move_to_end(shape)
+            return self.kept[shape]
+        if len(self.kept) >= self.keep:
+            self.dev.synchronize()  # nothing in flight may still use what we drop
+            while len(self.kept) >= self.keep:
+                self.kept.popitem(last=False)
+        model, dev = self.model, self.dev
+        compiled = None
+        if shape.compiled:
+            self._compiled = self._compiled or CompiledStep(model)
+            compiled = self._compiled
+        cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
+        slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]
+        self.kept[shape] = Resources(cache, slots, StepRunner(model, cache, shape.cuda_graphs, compiled))
+        return self.kept[shape]
+
+    def _abandon(self) -> None:
+        """After a failed or interrupted run: wait for the device (bounded), then drop what the run used.
+
+        Its KV cache still counts blocks as owned, so the set is not reused. If the device failed or
+        does not finish in time, it is closed and every resource tied to it goes with it; the next run
+        opens a fresh device.
+        """
+        run, self.run = self.run, None
+        if self.dev is None:
+            return
+        try:
+            self.dev.synchronize(run.timeout if run is not None else None)
+        except DeviceError:
+            self._reset_device()
+            return
+        except BaseException:  # a second interrupt while waiting: still leave nothing half open
+            self._reset_device()
+            raise
+        if run is not None:
+            self.kept.pop(run.shape, None)
+
+    def _reset_device(self) -> None:
+        dev, self.dev = self.dev, None
+        self.kept.clear()
+        if dev is not None:
+            dev.close()
+
+    def close(self) -> None:
+        """Wait for the device, free the kept resources, close the device."""
+        if self.dev is not None:
+            try:
+                self.dev.synchronize(600.0)
+            finally:
+                self._reset_device()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.model.name!r} on {self.model.device}, {len(self.kept)} kept shape(s)>"
+
+
+def generate(model: Model | Engine, prompts, **options) -> list[list[int]]:
+    """Continue every prompt with `model` (from load_model) or an Engine; see `Engine.generate` for the
+    options (max_new_tokens, mode="sync" | "async", temperature, top_k, top_p, seed, eos_token_id,
+    timeline, ...). Given a model, an engine is built for this call and closed after it."""
+    if isinstance(model, Engine):
+        return model.generate(prompts, **options)
+    with Engine(model) as engine:
+        return engine.generate(prompts, **options)
 
 
 def _as_token_lists(prompts, model: Model) -> list[list[int]]:
@@ -63,172 +357,3 @@ def _eos_ids(eos, vocab_size: int) -> int | frozenset[int] | None:
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return ids[0] if isinstance(eos, int) else frozenset(ids)
-
-
-def generate(
-    model: Model,
-    prompts,
-    max_new_tokens: int = 64,
-    mode: str = "sync",
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    timeline: Timeline | None = None,
-    max_batch_size: int | None = None,
-    max_batch_tokens: int = 256,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    progress: bool = False,
-    arrival_steps: Sequence[int] | None = None,
-    on_step: Callable | None = None,
-    cuda_graphs: bool | None = None,
-    compile: bool = False,
-    num_slots: int | None = None,
-    inject_delays: dict[str, float] | None = None,
-    timeout: float | None = 600.0,
-) -> list[list[int]]:
-    """Continue every prompt; return the new tokens of each, in prompt order.
-
-    Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
-    on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
-    `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
-    fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
-    `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
-    requests). `timeout` bounds every host wait on the device (seconds): a device that
-    stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
-    which prompt i reaches the server, to simulate requests arriving while the loop runs.
-    `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (graphs.py).
-    `compile=True` (CUDA only) runs decode steps through torch.compile first (Model.compiled_step).
-    `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
-    seconds slept on that stream before each step's work) exist to show the race of notebook 04.
-    `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
-    """
-    if not isinstance(model, Model):
-        raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("max_batch_tokens", max_batch_tokens),
-                        ("block_size", block_size), ("max_batch_size", max_batch_size), ("num_blocks", num_blocks)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if max_batch_size is None:
-        max_batch_size = min(32, max_batch_tokens)
-    if max_batch_tokens < max_batch_size:
-        raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
-                         "every running request needs room for its decode token")
-    token_lists = _as_token_lists(prompts, model)
-    eos_token_id = _eos_ids(eos_token_id, model.vocab_size)
-    limit = model.max_positions
-    for i, p in enumerate(token_lists):
-        if limit and len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
-                             f"exceed the model's {limit} positions")
-    if arrival_steps is None:
-        arrival_steps = [0] * len(token_lists)
-    if len(arrival_steps) != len(token_lists) or any(
-            not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in arrival_steps):
-        raise ValueError("arrival_steps needs one integer >= 0 per prompt")
-    requests = [
-        Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id,
-                arrival_step=a)
-        for i, (p, a) in enumerate(zip(token_lists, arrival_steps))
-    ]
-    if num_slots is None:
-        num_slots = 2 if mode == "async" else 1
-    if num_slots not in (1, 2):
-        raise ValueError(f"num_slots must be 1 or 2, got {num_slots!r}")
-    if inject_delays and set(inject_delays) - {"H2D", "compute", "D2H"}:
-        raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
-    if cuda_graphs is None:
-        cuda_graphs = model.device.type == "cuda"
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be True or False, got {compile!r}")
-    if compile and model.device.type != "cuda":
-        raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
-                         "eager: compiling would take longer than the tiny model's whole run)")
-    if num_blocks is None:
-        need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
-        num_blocks = sum(need[:max_batch_size])
-    # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
-    rows = bucket(max_batch_size, ROW_BUCKETS)
-    longest = max(r.max_len + 1 for r in requests)
-    width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
-    shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
-                   max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
-                   num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=bool(compile),
-                   decode=(model.decode_attention, model.decode_kv_bucket))
-    timeline = timeline if timeline is not None else Timeline()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
-
-    def step_done(plan, done):
-        if bar is not None and done:
-            bar.update(len(done))
-        if on_step is not None:
-            on_step(plan, done)
-
-    loop = run_sync if mode == "sync" else run_async
-    try:
-        with get_device(str(model.device), timeline) as dev:
-            cache, slots, runner = _resources(model, dev, shape)
-            scheduler = Scheduler(cache.allocator, max_batch_tokens, max_batch_size)
-            for r in requests:
-                scheduler.add(r)
-            streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-            loop(runner, scheduler, timeline, dev, streams, slots, step_done, timeout, inject_delays)
-            dev.flush_timeline()
-    finally:
-        if bar is not None:
-            bar.close()
-    assert cache.allocator.num_free == cache.allocator.num_blocks, "KV blocks leaked"
-    return [r.output for r in requests]
-
-
-_KEEP = 4  # resource sets kept on a CUDA model (see _resources)
-
-
-class _Shape(NamedTuple):
-    """Everything that fixes the sizes (and so the addresses) of a run's cache, slots and graphs."""
-
-    num_blocks: int
-    block_size: int
-    max_tokens: int
-    max_keys: int
-    rows: int
-    num_slots: int
-    cuda_graphs: bool
-    compiled: bool = False
-    decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
-
-
-def _resources(model: Model, dev, shape: _Shape):
-    """KV cache, IO slots and step runner for one run.
-
-    CUDA graphs are bound to the addresses of the cache and the slots, so on a GPU the last _KEEP sets
-    are kept on the model and reused by the next call of the same shape: graphs are captured once, not
-    per call (a server keeps its engine alive the same way). CUDA events carry no tie to the device
-    object, so the slots work with each call's new device. The cpu backend builds everything afresh.
-    """
-    if model.device.type != "cuda":
-        return _build(model, dev, shape)
-    kept: dict = model.__dict__.setdefault("_resources", {})  # shape -> (cache, slots, runner)
-    if shape in kept:
-        cache = kept[shape][0]
-        if cache.allocator.num_free == cache.allocator.num_blocks:  # not left dirty by a failed run
-            return kept[shape]
-    kept.pop(shape, None)
-    while len(kept) >= _KEEP:  # e.g. sync and async, each with and without compile; free older ones first
-        kept.pop(next(iter(kept)))
-    kept[shape] = _build(model, dev, shape)
-    return kept[shape]
-
-
-def _build(model: Model, dev, shape: _Shape):
-    cache = model.make_cache(shape.num_blocks, shape.block_size)
-    slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows, model.device)
-             for i in range(shape.num_slots)]
-    return cache, slots, StepRunner(model, cache, use_graphs=shape.cuda_graphs, compiled=shape.compiled)

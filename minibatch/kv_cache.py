@@ -84,14 +84,18 @@ class PagedKVCache:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        alloc=None,
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         self.num_cells = (num_blocks + 1) * block_size  # + the scratch block
         self.scratch_cell = num_blocks * block_size
         shape = (self.num_cells, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        # zeroed, not just allocated: padding keys are masked, but garbage (NaN) in them would still
+        # poison the attention's sums
+        alloc = alloc or (lambda shape, dtype: torch.empty(shape, device=device, dtype=dtype))
+        self.keys = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
+        self.values = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
 
     def cells(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Physical cells of tokens start..end-1 of a request with this block table."""

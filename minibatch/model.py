@@ -14,7 +14,7 @@ Built-in names for `load_model`:
 from __future__ import annotations
 
 import os
-import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,35 +95,37 @@ class Model:
         self.decode_layout = cuda
         # decode rows are padded to a multiple of this many keys (batch.py, decode_bucket). Each
         # padded key is gathered and attended to, so a finer bucket reads less; it costs one more CUDA
-        # graph per 64 keys of context. H200, 8B shape, 32 rows at context 383: 10.21 ms per step with
-        # rows padded to 512 keys, 9.82 ms at 384 (BENCHMARKS.md, step_ab).
+        # graph per bucket of context (BENCHMARKS.md compares 64 with 256).
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
         # decode-layout attention: "sdpa" (one fused kernel), "einsum" (the readable version) or
-        # "triton" (reads the paged cache in place; opt-in, not yet timed on a GPU: triton_decode.py)
+        # "triton" (reads the paged cache in place: triton_decode.py)
         self.decode_attention = "sdpa" if cuda else "einsum"
+        # transformers builds an attention mask before the layers run; for our attention name it would
+        # look for packed sequences in position_ids (a `.all()` in a Python `if`: a host sync on a GPU)
+        # and build a [T, T] mask that paged_attention never reads. A mask that is already 4-D is
+        # passed through as it is, so this one-element tensor stands in for it.
+        self._mask_stand_in = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def make_cache(self, num_blocks: int, block_size: int, alloc=None) -> PagedKVCache:
+        """A paged KV cache for this model; `alloc(shape, dtype)` gives its zeroed tensors (default: on
+        the model's device; an engine passes its device's allocator)."""
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
-                            device=self.device, dtype=self.dtype)
-
-    def release(self) -> None:
-        """Free the KV caches, IO slots and CUDA graphs that `generate` keeps on a GPU model between calls."""
-        self.__dict__.pop("_resources", None)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+                            device=self.device, dtype=self.dtype, alloc=alloc)
 
     def _forward(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
         """One forward pass over a device batch -> [R, vocab] logits of the sampling positions."""
         out = self.hf(
             input_ids=batch.input_ids[None],
             position_ids=batch.positions[None],
+            attention_mask=self._mask_stand_in,
             logits_to_keep=batch.logits_indices,
             use_cache=False,
             minibatch=PagedMeta(cache, batch, self.decode_attention),
         )
         return out.logits[0]
 
-    def _forward_sample(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+    def forward_sample(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """Forward + sample -> [R] int64 next tokens (what `step` runs; what a compiled step compiles)."""
         logits = self._forward(batch, cache)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
             return logits.float().argmax(dim=-1)
@@ -134,48 +136,9 @@ class Model:
         return self._forward(batch, cache)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, cache: PagedKVCache, compiled: bool = False) -> torch.Tensor:
-        """Forward + sample, all on the device -> [R] int64 next tokens.
-
-        compiled=True runs decode-layout steps through `torch.compile` (see `compiled_step`).
-        """
-        if compiled and batch.decode_rows:
-            shape = (batch.decode_rows, batch.kv_indices.shape[0] // batch.decode_rows, batch.all_greedy,
-                     cache.num_cells)  # the cache's size is part of the compiled shape too
-            seen = self.__dict__.setdefault("_compiled_shapes", set())
-            if shape not in seen:  # a long silent pause otherwise: say what is happening
-                seen.add(shape)
-                print(f"torch.compile: decode step for {shape[0]} rows x {shape[1]} keys"
-                      f"{' (greedy)' if shape[2] else ''}: compiling, once per shape (~45 s for an 8B model)",
-                      file=sys.stderr, flush=True)
-            return self.compiled_step()(batch, cache)
-        return self._forward_sample(batch, cache)
-
-    def compiled_step(self):
-        """The decode step (forward + sampling) through torch.compile, built once per model.
-
-        Why: the eager step is ~1700 kernels; most are tiny elementwise ops of the model's RMSNorm,
-        rotary embedding and MLP, each a separate read and write of a [rows, hidden] tensor. On the
-        H200 (8B shape, batch 32) they took ~4 ms of a 10.2 ms step whose matmuls need 4.7 ms.
-        Inductor fuses them (686 kernels, 7.2 ms: BENCHMARKS.md). What it costs: compilation,
-        ~45 s for the 8B shape per decode shape (rows, keys). Static shapes, so each shape always gets
-        the same kernels: with PyTorch's default "automatic dynamic" shapes (static first, dynamic
-        from the first new shape on) which kernels served a shape depended on the order shapes came
-        up in, and on the H200 the sync loop (graphs captured with the static kernels) and the async
-        loop (dynamic ones) gave 0/32 identical bf16 requests (BENCHMARKS.md). To keep the number of
-        shapes small, compiled runs pad decode rows to kv_bucket (256) keys, not decode_kv_bucket
-        (graphs.py). bf16 tokens may differ from the uncompiled step's (other kernels round
-        differently), so compare compiled runs with compiled runs; float32 runs agree (tests/test_gpu.py).
-        """
-        fn = self.__dict__.get("_compiled_step")
-        if fn is None:
-            import torch._dynamo
-
-            for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
-                if hasattr(torch._dynamo.config, name):  # one compile per shape: room for a few dozen
-                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
-            fn = self._compiled_step = torch.compile(self._forward_sample, dynamic=False)
-        return fn
+    def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """Forward + sample, all on the device -> [R] int64 next tokens. No host sync."""
+        return self.forward_sample(batch, cache)
 
 
 def _random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -195,18 +158,34 @@ def load_model(
     """Load a causal LM for minibatch.
 
     name_or_model: "tiny" (built in, no download), a name from RANDOM_CONFIGS, a local folder or hub
-    id for `from_pretrained`, or an already-built transformers model. dtype defaults to float32 on
-    the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16).
+    id for `from_pretrained`, or an already-built transformers model. For names and folders, dtype
+    defaults to float32 on the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16), and
+    device "auto" means a GPU if there is one.
+
+    A model you pass in keeps its dtype and device unless you ask for others ("auto" means its own
+    device); if you do, it is moved or cast in place, with a warning, since `Module.to` changes the
+    object itself. Either way its attention implementation is set to minibatch's paged attention
+    (which falls back to SDPA when called without minibatch's batch metadata, so the model's own
+    `generate` still works).
     """
-    dev = resolve_device(device)
-    if dtype is None:
-        dtype = torch.float32
-        if dev.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     tokenizer = None
     if isinstance(name_or_model, PreTrainedModel):
-        hf, name = name_or_model.to(device=dev, dtype=dtype), type(name_or_model).__name__
+        hf, name = name_or_model, type(name_or_model).__name__
+        own_device, own_dtype = next(hf.parameters()).device, next(hf.parameters()).dtype
+        dev = own_device if device is None or device == "auto" else resolve_device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        changes = [f"{what} {a} -> {b}" for what, a, b in (("device", own_device, dev), ("dtype", own_dtype, dtype))
+                   if b is not None and a != b]
+        if changes:
+            warnings.warn(f"load_model changes the model you passed in place: {', '.join(changes)}", stacklevel=2)
+            hf.to(device=dev, dtype=dtype or own_dtype)
     elif isinstance(name_or_model, (str, os.PathLike)):
+        dev = resolve_device(device)
+        if dtype is None:
+            dtype = torch.float32
+            if dev.type == "cuda":
+                dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         name = str(name_or_model)
         if name in RANDOM_CONFIGS:
             hf = _random_model(name, dev, dtype, seed)

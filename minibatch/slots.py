@@ -39,25 +39,32 @@ EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
 
 
 class IOSlot:
-    """Host + device buffers for one batch. `load` fills the host side; the streams move the rest."""
+    """Host + device buffers for one batch. `load` fills the host side; the streams move the rest.
 
-    def __init__(self, dev: Device, index: int, max_tokens: int, max_keys: int, max_rows: int,
-                 device: torch.device) -> None:
+    Device buffers come from `dev.empty`, host buffers from `dev.pin`: each backend decides where its
+    device memory is (a GPU's memory; for the cpu device, memory the device side can reach).
+    """
+
+    def __init__(self, dev: Device, index: int, max_tokens: int, max_keys: int, max_rows: int) -> None:
         self.index = index
         caps = {"T": max_tokens, "K": max_keys, "R": max_rows}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
+
+        def device_buffer(n: int, dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+            return dev.empty((n,), dtype).fill_(fill)
+
         for name in TENSOR_FIELDS:
             dtype = torch.float32 if name in FLOAT_FIELDS else torch.int64
             n = caps[EXTENT.get(name, "R")]
             self.host[name] = dev.pin(torch.zeros(n, dtype=dtype))
-            self.dev[name] = torch.zeros(n, dtype=dtype, device=device)
-        self.dev["patched_ids"] = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # ids + carry-over
+            self.dev[name] = device_buffer(n, dtype)
+        self.dev["patched_ids"] = device_buffer(max_tokens, torch.int64)  # ids + carry-over
         # carry-over mask: for each row of the *previous* batch's output, where it goes in ours
         self.host["carry"] = dev.pin(torch.full((max_rows,), -1, dtype=torch.int64))
-        self.dev["carry"] = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self.dev["carry"] = device_buffer(max_rows, torch.int64, -1)
         self.out_host = dev.pin(torch.zeros(max_rows, dtype=torch.int64))
-        self.out_dev = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.out_dev = device_buffer(max_rows, torch.int64)
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
         self.layout: dict = {}  # the loaded batch's Batch.layout()
@@ -78,21 +85,19 @@ class IOSlot:
         self.sizes["carry"] = self.host["carry"].shape[0]
         self.layout = batch.layout()
 
-    def copy_in(self, sizes: dict[str, int]) -> None:
-        """H2D: copy the used prefix of every host buffer to the device (call on the H2D stream)."""
-        for name, n in sizes.items():
-            if n:
-                self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+    def h2d_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, host) views of the used prefix of every buffer: what the H2D copy moves."""
+        return [(self.dev[name][:n], self.host[name][:n]) for name, n in self.sizes.items() if n]
 
-    def copy_out(self, rows: int) -> None:
-        """D2H: sampled ids back to the host buffer (call on the D2H stream)."""
-        self.out_host[:rows].copy_(self.out_dev[:rows], non_blocking=True)
+    def d2h_pairs(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host, device) views of the first `rows` sampled ids: what the D2H copy moves."""
+        return [(self.out_host[:rows], self.out_dev[:rows])]
 
     def bind(self, prev: "IOSlot | None") -> "StepArgs":
         """The compute work's arguments, fixed at launch time, as a kernel's arguments are.
 
-        (On the cpu backend the work runs later, in a worker; binding now keeps a later `load` of the
-        host side from changing which shapes that work uses, so a race corrupts data, not shapes.)
+        (On the cpu backend the work runs later, on the device side; binding now keeps a later `load`
+        of the host side from changing which shapes that work uses, so a race corrupts data, not shapes.)
         """
         n = self.sizes["input_ids"]
         views = {name: self.dev[name][: self.sizes[name]] for name in TENSOR_FIELDS}
@@ -121,40 +126,3 @@ class StepArgs:
     out: torch.Tensor
     batch: Batch
     key: tuple  # (slot, previous slot, keys, decode rows, all greedy): one CUDA graph per key
-
-
-def forward_step(model, cache, args: StepArgs, compiled: bool = False) -> None:
-    """Device work of one step: patch in carried-over tokens, forward, sample into the slot's output.
-
-    Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
-    """
-    from .carry_over import apply_carry_over
-
-    apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
-    tokens = model.step(args.batch, cache, compiled)
-    args.out[: tokens.shape[0]].copy_(tokens)
-
-
-def launch_step(runner, streams, slot: IOSlot, prev: IOSlot | None, step: int,
-                delays: dict[str, float] | None = None) -> None:
-    """Enqueue one step's H2D, compute and D2H on three streams, chained by the slot's events.
-
-    `runner(args)` is the compute work: `forward_step` eagerly, or a CUDA graph replay of it
-    (graphs.py). Returns at once; the host learns the step is done from `slot.d2h_done`.
-    `delays` ({"H2D": s, "compute": s, "D2H": s}) makes a stream sleep before that stage's work:
-    injected delays that make race conditions happen every time (notebook 04).
-    """
-    h2d, compute, d2h = streams
-    delays = delays or {}
-    tag = dict(step=step, slot=slot.index)
-    for stream, stage in ((h2d, "H2D"), (compute, "compute"), (d2h, "D2H")):
-        if delays.get(stage):
-            stream.sleep(delays[stage], lane=stage, **tag)
-    h2d.launch(slot.copy_in, dict(slot.sizes), name="H2D", lane="H2D", **tag)
-    h2d.record(slot.h2d_done)
-    compute.wait(slot.h2d_done)  # inputs must have landed
-    compute.launch(runner, slot.bind(prev), name="compute", lane="compute", **tag)
-    compute.record(slot.compute_done)
-    d2h.wait(slot.compute_done)  # outputs must exist
-    d2h.launch(slot.copy_out, slot.sizes["logits_indices"], name="D2H", lane="D2H", **tag)
-    d2h.record(slot.d2h_done)

@@ -13,31 +13,32 @@ asynchronous loop (notebook 06) removes most of that waiting.
 
 The loop runs on the device layer (notebooks 02-03): the three device stages are launched on three
 streams chained by events, and the host waits for the last event before it updates. It uses one IO
-slot; `async_loop.py` shares all of this and differs only in the loop itself.
+slot. `sync_step` is one turn of the loop; the engine (engine.py) calls it until every request has
+finished. `async_loop.py` shares all of this and differs only in the step itself.
 """
 
 from __future__ import annotations
 
-from .slots import IOSlot, launch_step
+from .step import launch_step
 
 
-def run_sync(runner, scheduler, timeline, dev, streams, slots: list[IOSlot], on_step=None,
-             timeout: float | None = None, delays: dict | None = None) -> None:
-    """Run until every request has finished. `on_step(plan, newly_finished)` is called after each step."""
-    slot = slots[0]
-    while scheduler.has_work():
-        step = scheduler.step
-        with timeline.span("CPU", "prepare", step, slot.index):
-            plan = scheduler.schedule()
-            if not plan.chunks:
-                raise RuntimeError("the scheduler planned an empty step while requests are waiting: "
-                                   "no request can be admitted (is the KV cache too small?)")
-            slot.load(runner.build(plan), [])
-        launch_step(runner, streams, slot, None, step, delays)
-        with timeline.span("CPU", "wait", step, slot.index):
-            slot.d2h_done.synchronize(timeout)
-        with timeline.span("CPU", "update", step, slot.index):
-            done = scheduler.update(plan, slot.sampled(len(plan.sampling_chunks)))
-        if on_step is not None:
-            on_step(plan, done)
-    dev.synchronize(timeout)
+def sync_step(run) -> list:
+    """One step: prepare, launch, wait, update. Returns the requests that finished in it.
+
+    `run` (engine.Run) holds the scheduler, the device's streams, the IO slots and the step runner.
+    """
+    slot, scheduler, timeline = run.slots[0], run.scheduler, run.timeline
+    step = scheduler.step
+    with timeline.span("CPU", "prepare", step, slot.index):
+        plan = scheduler.schedule()
+        if not plan.chunks:
+            raise RuntimeError("the scheduler planned an empty step while requests are waiting: "
+                               "no request can be admitted (is the KV cache too small?)")
+        slot.load(run.runner.build(plan), [])
+    launch_step(run.runner, run.streams, slot, None, step, run.delays)
+    with timeline.span("CPU", "wait", step, slot.index):
+        slot.d2h_done.synchronize(run.timeout)  # the loop's one wait on the device
+    with timeline.span("CPU", "update", step, slot.index):
+        done = scheduler.update(plan, slot.sampled(len(plan.sampling_chunks)))
+    run.stepped(plan, done)
+    return done

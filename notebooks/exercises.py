@@ -143,7 +143,7 @@ def check_04(graph_shape) -> None:
     if _not_yet(graph_shape, "graph_shape"):
         return
     from minibatch.batch import bucket
-    from minibatch.graphs import ROW_BUCKETS
+    from minibatch.step import ROW_BUCKETS
 
     for rows, ctx, kb in [(13, 700, 256), (1, 0, 256), (32, 255, 256), (33, 256, 128), (5, 10, 1)]:
         want = (bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb)

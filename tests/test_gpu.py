@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.graphs import pool_memory
+from minibatch.step import pool_memory
 from minibatch.timeline import Timeline
 
 pytestmark = pytest.mark.cuda

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import minibatch  # noqa: E402
 from minibatch import triton_decode  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
-from minibatch.graphs import ROW_BUCKETS  # noqa: E402
+from minibatch.step import ROW_BUCKETS  # noqa: E402
 from minibatch.attention import PagedMeta, _decode_attention  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402

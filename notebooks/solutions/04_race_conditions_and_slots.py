@@ -1,6 +1,6 @@
 """Solution to the exercise of notebook 04."""
 from minibatch.batch import bucket
-from minibatch.graphs import ROW_BUCKETS
+from minibatch.step import ROW_BUCKETS
 
 
 def graph_shape(rows, longest_context, kv_bucket):

@@ -16,7 +16,7 @@ import torch
 import minibatch
 from minibatch.batch import bucket
 from minibatch.device import get_device
-from minibatch.graphs import ROW_BUCKETS, StepRunner
+from minibatch.step import ROW_BUCKETS, StepRunner
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)

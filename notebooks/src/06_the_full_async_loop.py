@@ -28,7 +28,8 @@ from minibatch.carry_over import carry_over_mask
 from minibatch.device import get_device
 from minibatch.requests import Request, SamplingParams
 from minibatch.scheduler import Scheduler
-from minibatch.slots import IOSlot, forward_step, launch_step
+from minibatch.slots import IOSlot
+from minibatch.step import forward_step, launch_step
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -73,7 +74,7 @@ def async_loop(model, prompts, max_new_tokens, budget=32, seats=4, seed=3, timel
     run = partial(forward_step, model, cache)  # device work: carry-over, forward, sample
     with get_device(str(model.device), tl) as dev:
         streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-        slots = [IOSlot(dev, i, budget, cache.num_cells, seats, model.device) for i in (0, 1)]
+        slots = [IOSlot(dev, i, budget, cache.num_cells, seats) for i in (0, 1)]
         in_flight, n = None, 0  # (plan, slot) of the batch the device is running
         while sched.has_work():
             launched = None

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
 from minibatch import bench  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
-from minibatch.graphs import ROW_BUCKETS  # noqa: E402
+from minibatch.step import ROW_BUCKETS  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
 
@@ -132,7 +132,7 @@ def main() -> None:
 
 
 def compiled(model) -> None:
-    """The sdpa + greedy decode step through torch.compile (Model.compiled_step, as generate(compile=True))."""
+    """The sdpa + greedy decode step through torch.compile (step.CompiledStep, as generate(compile=True))."""
     import torch._dynamo
 
     cache, plan = decode_setup(model, 383)
@@ -140,16 +140,19 @@ def compiled(model) -> None:
     batch.all_greedy = True
     model.decode_attention = "sdpa"
 
+    from minibatch.step import CompiledStep
+
+    compiled_step = CompiledStep(model)
     t = time.perf_counter()
     with torch.inference_mode():
         ref = model.step(batch, cache)
-        got = model.step(batch, cache, compiled=True)
+        got = compiled_step(batch, cache)
         torch.cuda.synchronize()
         say(f"compile: first call {time.perf_counter() - t:.1f} s; same tokens as eager: "
             f"{torch.equal(ref, got)} ({(ref == got).float().mean().item():.0%})")
         counters = torch._dynamo.utils.counters
         say(f"  graph breaks: {sum(counters['graph_break'].values())} {dict(counters['graph_break'])}"[:600])
-        fn = lambda: model.step(batch, cache, compiled=True)  # noqa: E731
+        fn = lambda: compiled_step(batch, cache)  # noqa: E731
         ms = graph_ms(fn)
         n, ksum, _ = kernel_stats(fn.graph.replay)
         say(f"compiled step in a CUDA graph: {ms:.2f} ms/step, {n:.0f} kernels, kernel sum {ksum:.2f} ms")

@@ -1,0 +1,219 @@
+"""One step on the device: its launch on three streams, and its compute work, eagerly or as a CUDA
+graph replay (notebook 04).
+
+    host     load slot ─ launch H2D, compute, D2H ─ (free: prepare the next batch) ─ wait d2h_done
+    H2D      ██ copy the slot's used prefixes ██ ●h2d_done
+    compute                                      ╎ carry-over + forward + sample ●compute_done
+    D2H                                                                          ╎ copy ids ●d2h_done
+
+`launch_step` enqueues the three stages, chained by the slot's events, and returns at once.
+`StepRunner` is the compute stage: it builds a step's host batch, and runs its device work through
+`forward_step`, or replays a CUDA graph of it.
+
+CUDA graphs. An eager decode step launches hundreds of small kernels one by one from Python; on a
+fast GPU the CPU needs longer to launch them than the GPU needs to run them. A CUDA graph records the
+whole step once and replays it with one launch:
+
+    eager    CPU  |l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|l|        (one launch per kernel)
+             GPU    █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █ █      (waits for each launch)
+    graph    CPU  |replay|
+             GPU   ███████████████████████████                      (back to back)
+
+A graph replays fixed kernels on fixed addresses with fixed shapes. Hence:
+  * the step reads and writes only the slot's preallocated buffers (slots.py), so a graph belongs
+    to one slot: two slots, two graphs per shape;
+  * shapes come from buckets: decode steps are padded to a row count from ROW_BUCKETS and a key
+    length that is a multiple of the model's decode_kv_bucket (kv_bucket for compiled steps, which
+    compile once per shape; batch.py, decode layout); mixed prefill/decode steps stay eager;
+  * the carry-over ops (carry_over.py) run inside the graph, before the forward pass.
+All graphs share one memory pool: they never run at the same time (one compute stream), so the
+memory one graph uses for its intermediate tensors can be reused by the next. Two slots' graphs
+then cost about as much as one (the article's observation; measured in BENCHMARKS.md).
+
+Graphs are captured lazily, the first time a (slot, shape) comes up: that step runs eagerly once
+(warm-up), is captured, and is replayed for its real results and for every later step of that
+shape. On the CPU there are no graphs: the runner calls the eager step, the same code path minus
+the capture.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .batch import build_batch
+from .carry_over import apply_carry_over
+from .scheduler import BatchPlan
+from .slots import IOSlot, StepArgs
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (dst, src) pair; non-blocking, so from pinned host memory a GPU copy returns at once."""
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
+
+
+class CompiledStep:
+    """The decode step (forward + sampling) through torch.compile, one per engine.
+
+    Why: an eager step is a long chain of small elementwise kernels (RMSNorm, rotary embedding, MLP
+    activations), each a separate read and write of a [rows, hidden] tensor; Inductor fuses them.
+    What it costs: compilation, once per decode shape (rows, keys, greedy or not, cache size). Static
+    shapes, so a shape always gets the same kernels: with PyTorch's "automatic dynamic" shapes the
+    kernels that served a shape depended on the order shapes came up in, and sync and async runs
+    (which see shapes in different orders) gave different bf16 tokens. To keep shapes few, compiled
+    runs pad decode rows to kv_bucket keys (StepRunner.build). bf16 tokens may differ from the eager
+    step's (other kernels round differently): compare compiled runs with compiled runs.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.shapes: set[tuple] = set()
+        self._fn = None
+
+    def __call__(self, batch, cache) -> torch.Tensor:
+        shape = (batch.decode_rows, batch.kv_indices.shape[0] // batch.decode_rows, batch.all_greedy,
+                 cache.num_cells)
+        if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
+            self.shapes.add(shape)
+            print(f"torch.compile: decode step for {shape[0]} rows x {shape[1]} keys"
+                  f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
+        if self._fn is None:
+            import torch._dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
+                if hasattr(torch._dynamo.config, name):  # one compile per shape: room for a few dozen
+                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            self._fn = torch.compile(self.model.forward_sample, dynamic=False)
+        with torch.inference_mode():
+            return self._fn(batch, cache)
+
+
+def forward_step(model, cache, args: StepArgs, compiled: CompiledStep | None = None) -> None:
+    """Device work of one step: patch in carried-over tokens, forward, sample into the slot's output.
+
+    Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
+    """
+    apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
+    if compiled is not None and args.batch.decode_rows:
+        tokens = compiled(args.batch, cache)
+    else:
+        tokens = model.step(args.batch, cache)
+    args.out[: tokens.shape[0]].copy_(tokens)
+
+
+def launch_step(runner, streams, slot: IOSlot, prev: IOSlot | None, step: int,
+                delays: dict[str, float] | None = None) -> None:
+    """Enqueue one step's H2D, compute and D2H on three streams, chained by the slot's events.
+
+    `runner(args)` is the compute work: `forward_step` eagerly, or a CUDA graph replay of it.
+    Returns at once; the host learns the step is done from `slot.d2h_done`. Every argument is bound
+    now, as a kernel's are. `delays` ({"H2D": s, "compute": s, "D2H": s}) makes a stream sleep
+    before that stage's work: injected delays that make race conditions happen every time (notebook 04).
+    """
+    h2d, compute, d2h = streams
+    delays = delays or {}
+    tag = dict(step=step, slot=slot.index)
+    for stream, stage in ((h2d, "H2D"), (compute, "compute"), (d2h, "D2H")):
+        if delays.get(stage):
+            stream.sleep(delays[stage], lane=stage, **tag)
+    h2d.launch(copy_pairs, slot.h2d_pairs(), name="H2D", lane="H2D", **tag)
+    h2d.record(slot.h2d_done)
+    compute.wait(slot.h2d_done)  # inputs must have landed
+    compute.launch(runner, slot.bind(prev), name="compute", lane="compute", **tag)
+    compute.record(slot.compute_done)
+    d2h.wait(slot.compute_done)  # outputs must exist
+    d2h.launch(copy_pairs, slot.d2h_pairs(slot.sizes["logits_indices"]), name="D2H", lane="D2H", **tag)
+    d2h.record(slot.d2h_done)
+
+
+class StepRunner:
+    """Builds a step's host batch and runs its device work: eagerly, or through CUDA graphs."""
+
+    def __init__(self, model, cache, use_graphs: bool = False, compiled: CompiledStep | None = None) -> None:
+        if use_graphs and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; this model is on " + str(model.device))
+        if compiled is not None and model.device.type != "cuda":
+            raise ValueError("compile=True is for CUDA models (decode steps through torch.compile); this model "
+                             "is on " + str(model.device))
+        self.model, self.cache, self.use_graphs, self.compiled = model, cache, use_graphs, compiled
+        # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
+        self.decode_layout = model.decode_layout
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.captures: list[dict] = []  # one record per capture: key and pool memory growth
+
+    def build(self, plan: BatchPlan):
+        # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
+        rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
+        # compiled steps compile once per shape: coarser key buckets, fewer shapes
+        decode_bucket = self.model.kv_bucket if self.compiled else self.model.decode_kv_bucket
+        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
+
+    def __call__(self, args: StepArgs) -> None:
+        """Compute work of one step (called on the compute stream)."""
+        if not (self.use_graphs and args.batch.decode_rows):
+            forward_step(self.model, self.cache, args, self.compiled)
+            return
+        graph = self.graphs.get(args.key)
+        if graph is not None:
+            graph.replay()
+            return
+        forward_step(self.model, self.cache, args, self.compiled)  # warm-up run, eagerly
+        graph = self.graphs[args.key] = self._capture(args)
+        # the step's results come from the graph too, so that every graphed step uses the graph's
+        # kernels (bf16 eager and graph kernels may round differently); running the step again is
+        # harmless: it writes the same KV cells and outputs, and carry-over is out of place
+        graph.replay()
+
+    def _capture(self, args: StepArgs) -> torch.cuda.CUDAGraph:
+        # torch.cuda.graph empties the allocator's cache as it starts; do it first, so that the growth
+        # measured below is the graph's own (and never negative)
+        torch.cuda.synchronize(self.model.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.model.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # synchronizes the device first
+            forward_step(self.model, self.cache, args, self.compiled)
+        grew = torch.cuda.memory_reserved(self.model.device) - before
+        self.captures.append({"key": args.key, "reserved_growth": grew})
+        return graph
+
+
+def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) -> list[int]:
+    """Bytes the GPU's reserved memory grew by while capturing slot A's decode graph, then slot B's.
+
+    shared=True captures both into one pool (what the loops do); shared=False gives each graph its
+    own pool. The article's claim: with one pool, the second graph costs about nothing.
+    """
+    from .device import get_device
+    from .requests import Request
+    from .scheduler import Scheduler
+
+    block = 16
+    cache = model.make_cache(rows * (context // block + 2), block)
+    sched = Scheduler(cache.allocator, rows * (context + 1), rows)
+    for i in range(rows):
+        sched.add(Request(i, [1] * context, 4))
+    prefill = sched.schedule()
+    runner = StepRunner(model, cache, use_graphs=True)
+    with get_device(str(model.device)) as dev:
+        width = -(-(context + 2) // model.kv_bucket) * model.kv_bucket
+        slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_cells + model.kv_bucket, rows * width), rows)
+                 for i in range(2)]
+        slots[0].load(runner.build(prefill), [])
+        copy_pairs(slots[0].h2d_pairs())
+        runner(slots[0].bind(None))  # prefill, eager
+        sched.update(prefill, [2] * rows)
+        decode = sched.schedule()
+        if not shared:
+            runner.pool = None  # torch then gives each capture a pool of its own
+        for slot, other in ((slots[0], slots[1]), (slots[1], slots[0])):
+            slot.load(runner.build(decode), [])
+            copy_pairs(slot.h2d_pairs())
+            runner(slot.bind(other))  # eager run + capture
+        dev.synchronize()
+    return [c["reserved_growth"] for c in runner.captures]
