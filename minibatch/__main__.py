@@ -93,6 +93,9 @@ def bench_cmd(args) -> None:
                     decode_kv_bucket=model.decode_kv_bucket)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
               progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
+    if args.arrivals:  # prompt i reaches the server at step i * arrivals / n: prefill steps all along the run
+        kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
+        workload["arrivals"] = args.arrivals
     if any(m.endswith("+compile") for m in args.modes) and model.device.type != "cuda":
         raise ValueError("+compile modes need a CUDA model (decode steps through torch.compile)")
     engine = Engine(model)  # one engine for every mode: CUDA graphs are captured once, in the warm-up
@@ -100,8 +103,9 @@ def bench_cmd(args) -> None:
         for mode in args.modes:
             # full workload where shapes get captured or compiled, so none is left for the timed run
             full = model.device.type == "cuda" and (args.cuda_graphs != "off" or mode.endswith("+compile"))
+            few = {k: v[:4] if k == "arrival_steps" else v for k, v in kw.items()}
             bench.run_mode(engine, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
-                           **{**kw, "progress": False})
+                           **{**(kw if full else few), "progress": False})
     results, outs = [], {}
     for mode in args.modes:
         r, tl, o = bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
@@ -166,6 +170,8 @@ def main(argv=None) -> None:
     b.add_argument("--max-batch-size", type=int, default=32)
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--arrivals", type=int, default=0, metavar="STEPS",
+                   help="requests arrive spread over the first STEPS steps instead of all at once")
     b.add_argument("--warmup", action="store_true",
                    help="an untimed run of each mode first (and of each transformers mode, with --hf)")
     b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import minibatch
+from minibatch.requests import Request
 from minibatch.step import pool_memory
 from minibatch.timeline import Timeline
 
@@ -99,3 +100,61 @@ def test_device_clock_spans_on_gpu():
     minibatch.generate(model, prompts(4, model.vocab_size), max_new_tokens=8, mode="async", timeline=tl)
     lanes = {s.lane for s in tl.spans}
     assert {"CPU", "H2D", "compute", "D2H"} <= lanes and 0 < tl.device_busy() <= 1
+
+
+def test_the_loops_make_no_implicit_host_sync(monkeypatch):
+    """Both loops, eager and with graphs, with prefill steps and requests arriving mid-run, under
+    torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync."""
+    from minibatch.cuda_device import CudaEvent
+
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(6, model.vocab_size, seed=6)
+    arrivals = [0, 2, 4, 6, 9, 12]
+    real_sync = CudaEvent.synchronize
+
+    def intended_wait(self, timeout=None):  # the one wait the loops make, outside the check
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            real_sync(self, timeout)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    for graphs in (True, False):
+        with minibatch.Engine(model) as engine:
+            for mode in ("sync", "async"):
+                kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
+                ref = engine.generate(work, mode=mode, arrival_steps=arrivals, **kw)  # warm-up: captures, loads
+                requests = [Request(i, p, 16, arrival_step=a)
+                            for i, (p, a) in enumerate(zip(work, arrivals))]
+                engine.start(requests, mode, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
+                monkeypatch.setattr(CudaEvent, "synchronize", intended_wait)
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    while engine.has_work():
+                        engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                    monkeypatch.undo()
+                engine.finish()
+                assert [r.output for r in requests] == ref
+
+
+@pytest.mark.parametrize("name", ["random-llama", "random-qwen2", "random-qwen3", "random-mistral"])
+def test_a_float32_model_given_to_load_model_keeps_float32_and_matches_its_generate(name):
+    import transformers
+
+    from minibatch.model import RANDOM_CONFIGS
+
+    cls_name, kwargs = RANDOM_CONFIGS[name]
+    torch.manual_seed(7)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs),
+                                                           dtype=torch.float32)
+    work = prompts(4, hf.config.vocab_size, seed=8)
+    refs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in work]  # before load_model touches it
+    model = minibatch.load_model(hf)  # no dtype, no device: it keeps float32, on its GPU
+    assert model.dtype == torch.float32 and model.device.type == "cuda"
+    for mode in ("sync", "async"):
+        assert minibatch.generate(model, work, max_new_tokens=10, mode=mode, max_batch_size=4,
+                                  max_batch_tokens=32) == refs

@@ -1,8 +1,8 @@
 """Profile the async loop with CUDA graphs on the GPU: kernel breakdown of a decode step, and does our
-device-busy fraction agree with torch.profiler's kernel timeline? (Run on the H200 in session 2:
-figures/data/gpu_profile_async_8b.txt, BENCHMARKS.md.)
+device-busy fraction agree with torch.profiler's kernel timeline? (BENCHMARKS.md; the recorded output
+is figures/data/gpu_profile_async_8b.txt.)
 
-    KINETO_LOG_LEVEL=5 python3 scripts/gpu/profile_async.py   # on the GPU machine; writes $OUT/profile_async.txt
+    KINETO_LOG_LEVEL=5 python3 scripts/gpu/profile_async.py OUTDIR   # on a GPU machine; writes OUTDIR/profile_async.txt
 """
 import os
 import sys
@@ -17,14 +17,16 @@ import minibatch  # noqa: E402
 from minibatch import bench  # noqa: E402
 from minibatch.timeline import DEVICE_LANES, Timeline, union_length as union  # noqa: E402
 
-out = Path(os.environ.get("OUT", "."))
+out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+out.mkdir(parents=True, exist_ok=True)
 model = minibatch.load_model(os.environ.get("MODEL", "llama3-8b-shape"), device="cuda")
 prompts = bench.random_prompts(32, 256, model.vocab_size)
 kw = dict(max_new_tokens=64, mode="async", max_batch_size=32, max_batch_tokens=2048)
-minibatch.generate(model, prompts, **kw)  # warm-up: graph captures
+engine = minibatch.Engine(model)  # keeps the CUDA graphs of the warm-up for the profiled run
+engine.generate(prompts, **kw)  # warm-up: graph captures
 tl = Timeline()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    minibatch.generate(model, prompts, timeline=tl, **kw)
+    engine.generate(prompts, timeline=tl, **kw)
     torch.cuda.synchronize()
 
 

@@ -1,7 +1,7 @@
 """Where does a graphed decode step's time go, and which change moves it? (H200, 8B shape, batch 32)
 
-    python3 scripts/gpu/step_ab.py            # on the GPU machine; writes $OUT/step_ab.txt
-    python3 scripts/gpu/step_ab.py --compile  # only: the same step through torch.compile ($OUT/compile.txt)
+    python3 scripts/gpu/step_ab.py OUTDIR            # on a GPU machine; writes OUTDIR/step_ab.txt
+    python3 scripts/gpu/step_ab.py OUTDIR --compile  # only: the same step through torch.compile (OUTDIR/compile.txt)
 
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
@@ -29,7 +29,8 @@ from minibatch.step import ROW_BUCKETS  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", "."))
+OUT = Path(next((a for a in sys.argv[1:] if not a.startswith("--")), "."))
+OUT.mkdir(parents=True, exist_ok=True)
 B = 32
 lines: list[str] = []
 

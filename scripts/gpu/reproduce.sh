@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU number and figure of the project, into the folder given as the first argument.
+#
+#   bash scripts/gpu/reproduce.sh OUTDIR [SECTION ...]     # default: every section, in this order
+#
+# Sections (each writes OUTDIR/SECTION/ and a log; BENCHMARKS.md says which table each one fills):
+#   tests      the GPU tests (tests/test_gpu.py, the cuda half of tests/test_device.py, the Triton kernel)
+#   headline   8B shape, 32 x 256-token prompts, 256 new tokens: sync and async with CUDA graphs, the floor,
+#              and transformers' generate_batch in each of its modes, each in a process of its own
+#   eager      the same workload without CUDA graphs (every step eager)
+#   arrivals   the same workload with requests arriving over the first 128 steps (prefill steps all along)
+#   compile    sync and async with torch.compile'd decode steps
+#   kernels    decode-step variants against the floor (step_ab.py)
+#   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
+#   sweep      model shape x batch size x context, sync against async (scripts/sweep.py)
+# Needs: a CUDA GPU with ~80 GB free, torch, transformers, matplotlib; about 25 minutes for everything.
+set -uo pipefail
+out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
+shift
+sections=${*:-tests headline eager arrivals compile kernels profile sweep}
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
+mkdir -p "$out"
+eightb=(--model llama3-8b-shape --device cuda --num-prompts 32 --prompt-len 256 --max-new-tokens 256
+        --max-batch-size 32 --max-batch-tokens 2048 --warmup --no-progress)
+for s in $sections; do
+  mkdir -p "$out/$s"
+  echo "== $s ($(date -u +%H:%M:%S))"
+  case $s in
+    tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py tests/test_device.py \
+             tests/test_paged_kernel.py tests/test_engine.py > "$out/$s/pytest.log" 2>&1
+           tail -3 "$out/$s/pytest.log" ;;
+    headline) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --hf --hf-all \
+                --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -12 "$out/$s/bench.log" ;;
+    eager) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --cuda-graphs off \
+             --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
+    arrivals) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --arrivals 128 \
+                --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
+    compile) python3 -m minibatch bench "${eightb[@]}" --modes sync+compile,async+compile --floor \
+               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
+    kernels) python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
+    profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
+             tail -6 "$out/$s/profile.log" ;;
+    sweep) python3 scripts/sweep.py --device cuda --out "$out/$s" > "$out/$s/sweep.log" 2>&1
+           tail -16 "$out/$s/sweep.log" ;;
+    *) echo "unknown section $s" >&2; exit 2 ;;
+  esac
+done
