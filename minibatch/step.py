@@ -82,11 +82,11 @@ class CompiledStep:
             print(f"torch.compile: decode step for {shape[0]} rows x {shape[1]} keys"
                   f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
         if self._fn is None:
-            import torch._dynamo
+            import torch._dynamo as dynamo
 
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
-                if hasattr(torch._dynamo.config, name):  # one compile per shape: room for a few dozen
-                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+                if hasattr(dynamo.config, name):  # one compile per shape: room for a few dozen
+                    setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
             self._fn = torch.compile(self.model.forward_sample, dynamic=False)
         with torch.inference_mode():
             return self._fn(batch, cache)
