@@ -1,4 +1,4 @@
-"""Repo-wide pytest hooks: per-notebook run time at the end of the session (nbval runs one cell per item)."""
+"""Repo-wide pytest hooks: per-notebook run time at the end of the test run (nbval runs one cell per item)."""
 
 from collections import defaultdict
 

@@ -30,6 +30,17 @@ def _modes(arg: str) -> list[str]:
     return modes
 
 
+HF_MODES = ("sync_eager", "sync_graphs", "async_eager", "async_graphs")
+
+
+def _hf_modes(arg: str) -> list[str]:
+    modes = [m for m in arg.split(",") if m]
+    bad = [m for m in modes if m not in HF_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"--hf-modes takes some of {', '.join(HF_MODES)}, got {arg!r}")
+    return modes
+
+
 def demo(args) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -117,9 +128,11 @@ def bench_cmd(args) -> None:
     engine.close()  # frees the device for transformers' runs below
     if args.hf:  # transformers' continuous batching, each mode in a process of its own (bench.hf_in_own_process)
         configs = [dict()]
-        if args.hf_all:
+        if args.hf_all or args.hf_modes:
             graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
-            configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs]
+            wanted = args.hf_modes or [f"{a}_{g}" for a in ("sync", "async") for g in ("eager", "graphs")]
+            configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs
+                       if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in wanted]
         for c in configs:
             try:
                 r, o = bench.hf_in_own_process(args.model, str(model.device), prompts, args.max_new_tokens, c,
@@ -179,9 +192,12 @@ def main(argv=None) -> None:
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--hf", action="store_true", help="also run transformers' generate_batch (default config)")
     b.add_argument("--hf-all", action="store_true", help="with --hf: each of its sync/async x graphs modes")
-    b.add_argument("--hf-memory", type=float, default=0.4,
-                   help="with --hf-all: fraction of GPU memory for its KV cache (its async warm-up ran out "
-                        "of memory at the default on an H200)")
+    b.add_argument("--hf-modes", type=_hf_modes, default=None,
+                   help="with --hf: some of its modes, comma-separated: sync_eager, sync_graphs, async_eager, "
+                        "async_graphs")
+    b.add_argument("--hf-memory", type=float, default=None,
+                   help="with --hf-all / --hf-modes: fraction of GPU memory for its KV cache (default: its own; "
+                        "its async modes have run out of memory at the default on an H200)")
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
                    help="decode-step attention (attention.py; auto: sdpa on CUDA, einsum on the CPU; triton: "

@@ -95,8 +95,8 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch cell, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
-    every step: cuDNN attention builds a new plan for every new shape, measured at ~0.1-1 s each on
-    an H200 (BENCHMARKS.md, foundation run).
+    every step: cuDNN attention builds a new plan for every new shape, which takes long (BENCHMARKS.md,
+    history: the first sync loop).
 
     decode_layout: when every chunk is a single decode token, lay the keys out as a table of
     [rows, L] (row r = request r's context, padded with the scratch cell to L, a multiple of

@@ -29,7 +29,7 @@ DATA = "../figures/data/"
 #
 # The article ran an 8B model at batch 32 and reported the GPU busy 76.0% of the time with the
 # synchronous loop and 99.4% with the asynchronous one, 22% less wall time (ratio 0.78). We ran the
-# same shape of experiment, scaled to fit a short GPU session: a Llama-3-8B-shaped model with random
+# same shape of experiment, scaled to run in minutes: a Llama-3-8B-shaped model with random
 # weights in bfloat16, 32 prompts of 256 tokens, 256 new tokens each, greedy. One process ran every
 # mode on the same prompts, each after an untimed warm-up run, so the ratios compare like with like:
 #
