@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
 from .batch import Batch
+from .checks import check_causal_lm, check_load, check_model_path, resolve_device  # noqa: F401 (notebook 00)
 from .kv_cache import PagedKVCache
 from .sampling import sample
 
@@ -49,26 +50,6 @@ RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
                                              head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True)),
 }
 
-
-
-DEVICES = ("cpu", "cuda")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'auto'/None -> cuda if available else cpu; anything else must be a valid, present device."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'") from e
-    if dev.type not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
-    return dev
 
 
 @dataclass
@@ -196,15 +177,14 @@ def load_model(
 
     name_or_model: "tiny" (built in, no download), a name from RANDOM_CONFIGS, a local folder or hub
     id for `from_pretrained`, or an already-built transformers model. dtype defaults to float32 on
-    the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16).
+    the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16); "float32", "bfloat16" and
+    "float16" work as strings too. Code shipped in a model folder or hub repo is never run
+    (`trust_remote_code=False`), and every loading failure is a ValueError naming the path.
     """
-    dev = resolve_device(device)
-    if dtype is None:
-        dtype = torch.float32
-        if dev.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dev, dtype, seed = check_load(device, dtype, seed)
     tokenizer = None
     if isinstance(name_or_model, PreTrainedModel):
+        check_causal_lm(name_or_model, type(name_or_model).__name__)
         hf, name = name_or_model.to(device=dev, dtype=dtype), type(name_or_model).__name__
     elif isinstance(name_or_model, (str, os.PathLike)):
         name = str(name_or_model)
@@ -232,19 +212,26 @@ def load_model(
 
 
 def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    check_model_path(str(path))
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # keep notebook output deterministic
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev)
-    except OSError as e:
-        raise ValueError(f"could not load model {str(path)!r}: {e}") from e
+        # trust_remote_code=False: never run a folder's own Python, and never ask on stdin whether to
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                               trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, JSON, custom code: one error naming the path
+        cause = " ".join(str(e).split())  # transformers' messages span lines
+        raise ValueError(f"could not load model {str(path)!r}: {type(e).__name__}: {cause}") from e
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    check_causal_lm(hf, str(path))
+    return hf.to(dev)
 
 
 def _try_tokenizer(path):
     try:
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None  # token-id prompts still work
+        return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - no usable tokenizer (missing, custom code, broken): token ids still work
+        return None
