@@ -218,8 +218,8 @@ def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedM
     try:
         # trust_remote_code=False: never run a folder's own Python, and never ask on stdin whether to
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                               trust_remote_code=False)
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                                     trust_remote_code=False, output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, JSON, custom code: one error naming the path
         cause = " ".join(str(e).split())  # transformers' messages span lines
         raise ValueError(f"could not load model {str(path)!r}: {type(e).__name__}: {cause}") from e
@@ -227,6 +227,11 @@ def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedM
         if bars:
             transformers.utils.logging.enable_progress_bar()
     check_causal_lm(hf, str(path))
+    if info["missing_keys"]:  # transformers fills them with random numbers: the model would emit noise
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"could not load model {str(path)!r}: the folder has no weights for {', '.join(missing[:3])}"
+                         f"{' and more' if len(missing) > 3 else ''} of {type(hf).__name__} (a model saved without "
+                         "its causal LM head?)")
     return hf.to(dev)
 
 
