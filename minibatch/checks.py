@@ -7,9 +7,9 @@ buffers, or (worst) the async loop with one IO slot, which returns wrong tokens 
 (notebook 04's race). Here every argument is checked for its type (ints are ints, not floats or
 bools), finiteness, range and size; each error names the argument, the value and what is allowed.
 
-Memory is checked by estimate: the KV cache and the IO slots are sized from the arguments (the same
-sizes `generate` then allocates) and compared with the memory free on the model's device, so a run
-that cannot fit fails at once with the number, instead of swapping or dying in the allocator.
+Memory is checked by estimate (memory.py): the KV cache and the IO slots are sized from the
+arguments and compared with the memory free on the model's device, so a run that cannot fit fails at
+once with the number, instead of swapping or dying in the allocator.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .batch import TENSOR_FIELDS, bucket
-from .graphs import ROW_BUCKETS
-from .slots import EXTENT
+from .memory import check_memory, run_sizes
 from .timeline import Timeline
 
 MODES = ("sync", "async")
@@ -32,7 +30,6 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("H2D", "compute", "D2H")
 INT64_MAX = 2**63 - 1  # seeds and top_k travel to the device as int64 (batch.py)
-MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
 
 def _int(name: str, value: Any, low: int | None = 1, high: int | None = None) -> int:
@@ -45,10 +42,10 @@ def _int(name: str, value: Any, low: int | None = 1, high: int | None = None) ->
     return int(value)
 
 
-def _number(name: str, value: Any, allowed: str = "") -> float:
-    """A finite real number (ints accepted, bools and strings not)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number{allowed}, got {value!r} ({type(value).__name__})")
+def _number(name: str, value: Any, allowed: str, ok=lambda v: True) -> float:
+    """A finite real number (ints accepted, bools and strings not) for which ok(value) holds."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r} ({type(value).__name__})")
     return float(value)
 
 
@@ -125,9 +122,8 @@ class GenerateArgs(NamedTuple):
     num_slots: int
     cuda_graphs: bool
     inject_delays: dict[str, float]
-    timeout: float | None
-    # IO slot capacities (slots.py): tokens, keys and sampled rows of the largest step
-    max_tokens: int
+    timeout: float | None  # None: no limit
+    max_tokens: int  # the IO slots' capacities (slots.py): tokens, keys and sampled rows of the largest step
     max_keys: int
     rows: int
 
@@ -150,13 +146,9 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
     if max_batch_tokens < max_batch_size:
         raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
                          "every running request needs room for its decode token")
-    temperature = _number("temperature", temperature, " >= 0 (0 is greedy)")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
+    temperature = _number("temperature", temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
     top_k = min(_int("top_k", top_k, low=0), model.vocab_size)
-    top_p = _number("top_p", top_p, " in (0, 1]")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    top_p = _number("top_p", top_p, "in (0, 1]", lambda v: 0 < v <= 1)
     token_ids = token_lists(prompts, model)
     n = len(token_ids)
     seed = _int("seed", seed, low=0, high=INT64_MAX - (n - 1))  # request i samples with seed + i
@@ -193,7 +185,8 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
                          "show the race on purpose")
     timeout = _timeout(timeout)
     delays = _delays(inject_delays)
-    sizes = _sizes(model, token_ids, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks)
+    num_blocks = None if num_blocks is None else _int("num_blocks", num_blocks)
+    sizes = run_sizes(model, token_ids, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks)
     check_memory(model, *sizes, block_size, num_slots, given_blocks=num_blocks is not None)
     return GenerateArgs(token_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, arrival_steps,
                         max_batch_size, max_batch_tokens, block_size, sizes[0], num_slots, cuda_graphs, delays,
@@ -206,10 +199,7 @@ def _timeout(timeout: Any) -> float | None:
         return None
     if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
         return None
-    timeout = _number("timeout", timeout, " of seconds > 0 (or None)")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds (or None for no limit), got {timeout!r}")
-    return timeout
+    return _number("timeout", timeout, "of seconds > 0 (or None: no limit)", lambda v: v > 0)
 
 
 def _delays(delays: Any) -> dict[str, float]:
@@ -219,77 +209,9 @@ def _delays(delays: Any) -> dict[str, float]:
         raise TypeError(f"inject_delays must be a dict like {{'H2D': 0.03}} (keys {STAGES}), got {delays!r}")
     if set(delays) - set(STAGES):
         raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(map(str, delays))}")
-    out = {}
-    for stage, s in delays.items():
-        s = out[stage] = _number(f"inject_delays[{stage!r}]", s, " of seconds >= 0")
-        if s < 0:  # longer than timeout is allowed: it is how a stuck device is simulated (test_faults.py)
-            raise ValueError(f"inject_delays[{stage!r}] must be >= 0 seconds, got {s!r}")
-    return out
-
-
-def _sizes(model, prompts, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks):
-    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of the run."""
-    need = sorted((-(-(len(p) + max_new_tokens - 1) // block_size) for p in prompts), reverse=True)
-    if num_blocks is None:  # enough for max_batch_size of the longest requests at once
-        num_blocks = sum(need[:max_batch_size])
-    num_blocks = _int("num_blocks", num_blocks)
-    if need[0] > num_blocks:
-        raise ValueError(f"a request needs {need[0]} blocks of {block_size} tokens of KV cache but the cache only "
-                         f"has num_blocks={num_blocks}: it could never run")
-    # the largest step, with the padding the graph layout may add (batch.py)
-    rows = bucket(max_batch_size, ROW_BUCKETS)
-    longest = max(len(p) + max_new_tokens for p in prompts)
-    width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
-    return num_blocks, max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width), rows
-
-
-def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows: int, block_size: int,
-                   num_slots: int) -> dict[str, int]:
-    """Bytes a run allocates: KV cache (device), IO slots (host and device), block free list (host)."""
-    kv = 2 * model.num_layers * (num_blocks + 1) * block_size * model.num_kv_heads * model.head_dim
-    kv *= model.dtype.itemsize
-    caps = {"T": max_tokens, "K": max_keys, "R": rows}
-    fields = sum(caps[EXTENT.get(name, "R")] for name in TENSOR_FIELDS)
-    io_host = 8 * (fields + 2 * rows) * num_slots  # every field, carry-over mask, sampled ids (int64 at most)
-    io_dev = 8 * (fields + 2 * rows + max_tokens) * num_slots  # + the patched ids
-    return {"kv": kv, "io_host": io_host, "io_dev": io_dev, "allocator": 40 * num_blocks}  # a Python int per block
-
-
-def available_bytes(device: torch.device) -> tuple[int, int]:
-    """(free device memory, free host memory) in bytes; on the CPU both are the same host memory."""
-    host = None
-    try:
-        with open("/proc/meminfo") as f:
-            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        try:
-            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            host = 2**62  # unknown: do not refuse on a guess
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], host
-    return host, host
-
-
-def check_memory(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots, given_blocks=True) -> None:
-    b = estimate_bytes(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots)
-    dev_free, host_free = available_bytes(model.device)
-    if model.device.type == "cuda":
-        needs = [("device", b["kv"] + b["io_dev"], dev_free), ("host", b["io_host"] + b["allocator"], host_free)]
-    else:
-        needs = [("host", sum(b.values()), host_free)]
-    kv_args = f"num_blocks={num_blocks} x block_size={block_size}" + ("" if given_blocks else
-                                                                      " (num_blocks from the prompts and max_new_tokens)")
-    io_args = f"max_batch_tokens/max_batch_size ({max_tokens} tokens, {rows} rows) and {max_keys} keys"
-    culprit = ("num_blocks or block_size" if b["kv"] + b["allocator"] >= b["io_host"] + b["io_dev"]
-               else "max_batch_tokens or max_batch_size")
-    for where, need, free in needs:
-        if need > MEMORY_FRACTION * free:
-            gb = 1e9
-            raise ValueError(f"this run needs about {need / gb:.1f} GB of {where} memory but {free / gb:.1f} GB are "
-                             f"free on {model.device} (at most {MEMORY_FRACTION:.0%} is used): KV cache "
-                             f"{b['kv'] / gb:.1f} GB for {kv_args}, IO slots {(b['io_host'] + b['io_dev']) / gb:.1f} "
-                             f"GB for {io_args}. Lower {culprit}")
+    # a delay longer than timeout is allowed: it is how a stuck device is simulated (tests/test_faults.py)
+    return {stage: _number(f"inject_delays[{stage!r}]", s, "of seconds >= 0", lambda v: v >= 0)
+            for stage, s in delays.items()}
 
 
 # --- load_model ---------------------------------------------------------------------------------------
@@ -315,8 +237,26 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def check_load(device: Any, dtype: Any, seed: Any) -> tuple[torch.device, torch.dtype, int]:
-    """`load_model`'s device (normalized), dtype (default float32 on the CPU, bfloat16 on a GPU) and seed."""
+def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
+               builtin: tuple[str, ...]) -> tuple[torch.device, torch.dtype, int]:
+    """Check `load_model`'s arguments; return its device (normalized), dtype (default float32 on the CPU,
+    bfloat16 on a GPU) and seed. A folder's own files are checked as far as can be without loading it."""
+    from transformers import PreTrainedModel
+
+    if isinstance(name_or_model, PreTrainedModel):
+        check_causal_lm(name_or_model, type(name_or_model).__name__)
+    elif not isinstance(name_or_model, (str, os.PathLike)):
+        raise TypeError("load_model takes a name, a path or a transformers PreTrainedModel, "
+                        f"not {type(name_or_model).__name__}")
+    elif (path := os.fspath(name_or_model)) not in builtin:
+        if os.path.isfile(path):
+            raise ValueError(f"could not load model {path!r}: it is a file; give the folder that holds config.json "
+                             "and the weights")
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"could not load model {path!r}: the folder has no config.json")
+        if not os.path.isdir(path) and "/" not in path:
+            raise ValueError(f"unknown model {path!r}: not a built-in name ({', '.join(builtin)}), a local folder "
+                             "or a hub id of the form 'org/name'")
     dev = resolve_device(device)
     if dtype is None:
         dtype = torch.float32
@@ -328,15 +268,6 @@ def check_load(device: Any, dtype: Any, seed: Any) -> tuple[torch.device, torch.
         raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 (or their names as "
                          f"strings) or None, got {dtype!r}")
     return dev, dtype, _int("seed", seed, low=0, high=INT64_MAX)
-
-
-def check_model_path(path: str) -> None:
-    """A local path must be a model folder with a config.json, not a file (such as config.json itself)."""
-    if os.path.isfile(path):
-        raise ValueError(f"could not load model {path!r}: it is a file; give the folder that holds config.json "
-                         "and the weights")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"could not load model {path!r}: the folder has no config.json")
 
 
 def check_causal_lm(hf, name: str) -> None:

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
 from .batch import Batch
-from .checks import check_causal_lm, check_load, check_model_path, resolve_device  # noqa: F401 (notebook 00)
+from .checks import check_causal_lm, check_load, resolve_device  # noqa: F401 (notebook 00 imports resolve_device)
 from .kv_cache import PagedKVCache
 from .sampling import sample
 
@@ -181,38 +181,25 @@ def load_model(
     "float16" work as strings too. Code shipped in a model folder or hub repo is never run
     (`trust_remote_code=False`), and every loading failure is a ValueError naming the path.
     """
-    dev, dtype, seed = check_load(device, dtype, seed)
+    dev, dtype, seed = check_load(name_or_model, device, dtype, seed, builtin=("tiny", *RANDOM_CONFIGS))
     tokenizer = None
     if isinstance(name_or_model, PreTrainedModel):
-        check_causal_lm(name_or_model, type(name_or_model).__name__)
         hf, name = name_or_model.to(device=dev, dtype=dtype), type(name_or_model).__name__
-    elif isinstance(name_or_model, (str, os.PathLike)):
-        name = str(name_or_model)
+    else:
+        name = os.fspath(name_or_model)
         if name in RANDOM_CONFIGS:
             hf = _random_model(name, dev, dtype, seed)
-        else:
-            path = TINY_DIR if name == "tiny" else name
-            if name == "tiny" or os.path.isdir(path) or "/" in name:
-                hf = _from_pretrained(path, dev, dtype)
-            else:
-                known = ", ".join(["tiny", *RANDOM_CONFIGS])
-                raise ValueError(f"unknown model {name!r}: not a built-in name ({known}), a local folder "
-                                 "or a hub id of the form 'org/name'")
-            if name == "tiny":
-                from .tokenizer import ByteTokenizer
-                tokenizer = ByteTokenizer()
-            else:
-                tokenizer = _try_tokenizer(path)
-    else:
-        raise TypeError(f"load_model takes a name, a path or a transformers PreTrainedModel, "
-                        f"not {type(name_or_model).__name__}")
+        elif name == "tiny":
+            from .tokenizer import ByteTokenizer
+            hf, tokenizer = _from_pretrained(TINY_DIR, dev, dtype), ByteTokenizer()
+        else:  # a local folder or a hub id
+            hf, tokenizer = _from_pretrained(name, dev, dtype), _try_tokenizer(name)
     hf.eval()
     hf.set_attn_implementation(ATTN_NAME)
     return Model(hf, dev, tokenizer, name)
 
 
 def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    check_model_path(str(path))
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # keep notebook output deterministic
     try:

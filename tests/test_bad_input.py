@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import minibatch
-from minibatch import checks, engine
+from minibatch import engine, memory
 from minibatch.model import Model
 
 GB = 10**9
@@ -33,7 +33,7 @@ def no_device_work(monkeypatch):
     monkeypatch.setattr(engine, "get_device", refuse)
     monkeypatch.setattr(Model, "make_cache", refuse)
     # the same free memory on every machine, so the memory cases do not depend on where the tests run
-    monkeypatch.setattr(checks, "available_bytes", lambda device: (8 * GB, 8 * GB))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (8 * GB, 8 * GB))
 
 
 def gen_ids():  # a generator, not a sequence
@@ -62,10 +62,10 @@ GENERATE_CASES = [
     (dict(temperature=math.nan), ValueError, "temperature must be a finite number"),
     (dict(temperature="0.5"), ValueError, "temperature must be a finite number"),
     (dict(temperature=True), ValueError, "temperature must be a finite number"),
-    (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
+    (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0"),
     (dict(top_p="x"), ValueError, "top_p must be a finite number"),
     (dict(top_p=math.nan), ValueError, "top_p must be a finite number"),
-    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"top_p must be a finite number in \(0, 1\]"),
     (dict(max_new_tokens=None), ValueError, "max_new_tokens must be an integer"),
     (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an integer"),
     (dict(max_new_tokens=2.0), ValueError, "max_new_tokens must be an integer"),
@@ -78,13 +78,13 @@ GENERATE_CASES = [
     (dict(inject_delays={"GPU": 1.0}), ValueError, "inject_delays keys"),
     (dict(inject_delays={"compute": math.inf}), ValueError, r"inject_delays\['compute'\] must be a finite number"),
     (dict(inject_delays={"H2D": math.nan}), ValueError, r"inject_delays\['H2D'\] must be a finite number"),
-    (dict(inject_delays={"D2H": -1}), ValueError, r"inject_delays\['D2H'\] must be >= 0"),
+    (dict(inject_delays={"D2H": -1}), ValueError, r"inject_delays\['D2H'\] must be a finite number of seconds >= 0"),
     (dict(inject_delays={"H2D": "0.1"}), ValueError, r"inject_delays\['H2D'\] must be a finite number"),
     (dict(timeline="x"), TypeError, "timeline must be a minibatch.Timeline"),
     (dict(timeout="5"), ValueError, "timeout must be a finite number"),
     (dict(timeout=math.nan), ValueError, "timeout must be a finite number"),
     (dict(timeout=-math.inf), ValueError, "timeout must be a finite number"),
-    (dict(timeout=0), ValueError, "timeout must be > 0"),
+    (dict(timeout=0), ValueError, "timeout must be a finite number of seconds > 0"),
     (dict(timeout=True), ValueError, "timeout must be a finite number"),
     (dict(arrival_steps=0), ValueError, "arrival_steps needs one integer"),
     (dict(arrival_steps=gen_ids()), ValueError, "arrival_steps needs one integer"),
@@ -146,10 +146,16 @@ def test_sizes_beyond_any_machine_are_refused_on_this_one(random_llama, monkeypa
 
 
 def test_memory_estimate_matches_what_is_allocated(random_llama):
-    """The estimate's KV term is the cache the run builds, byte for byte."""
-    cache = random_llama.make_cache(7, 16)
-    est = checks.estimate_bytes(random_llama, 7, 32, 128, 8, 16, 2)
-    assert est["kv"] == cache.nbytes
+    """The KV term is the cache a run builds, byte for byte; the IO term bounds an IO slot's buffers closely."""
+    from minibatch.device import get_device
+    from minibatch.slots import IOSlot
+
+    est = memory.estimate_bytes(random_llama, 7, 32, 128, 8, 16, num_slots=1)
+    assert est["kv"] == random_llama.make_cache(7, 16).nbytes
+    with get_device("cpu") as dev:
+        slot = IOSlot(dev, 0, 32, 128, 8, torch.device("cpu"))
+        real = sum(t.nbytes for t in [*slot.host.values(), *slot.dev.values(), slot.out_host, slot.out_dev])
+    assert real <= est["io_host"] + est["io_dev"] <= 1.1 * real
 
 
 def test_documented_edge_values(random_llama):
