@@ -230,8 +230,12 @@ def main(argv=None) -> None:
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
+    from .device import DeviceError
+
     try:
         args.func(args)
+    except DeviceError:  # a fault or timeout inside device work is no user error: keep its traceback
+        raise
     except (ValueError, TypeError, OSError) as e:  # user errors (bad model folder, device, sizes): one line
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         raise SystemExit(2) from None
