@@ -290,7 +290,8 @@ def test_custom_code_beside_a_known_architecture_is_never_run(good_folder, tmp_p
     """auto_map in a Llama folder, and a custom tokenizer: the built-in classes load, the folder's code never runs."""
     marker = tmp_path / "marker"
     path = hostile(good_folder, tmp_path, custom_code(marker, model_type="llama"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_evil.T", None]}}))
+    tokenizer_map = {"auto_map": {"AutoTokenizer": ["tokenization_evil.T", None]}}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_map))
     (path / "tokenization_evil.py").write_text(EVIL.format(marker=str(marker)))
     monkeypatch.setattr(builtins, "input", lambda *a: pytest.fail("asked on stdin"))
     model = minibatch.load_model(str(path), device="cpu")
