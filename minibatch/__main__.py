@@ -1,11 +1,17 @@
-"""Command line: `python -m minibatch demo` (the main job) and `python -m minibatch bench`."""
+"""Command line: `python -m minibatch demo` (the main job) and `python -m minibatch bench`.
+
+Options are checked as they are parsed and `--out` is checked for writing before any work, so a
+mistake costs no model load and no run; a user error prints one line `error: ...` and exits with 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 DEMO_PROMPTS = [
@@ -18,15 +24,23 @@ DEMO_PROMPTS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option gives one line (no usage block): `error: argument --x: why`."""
+
+    def error(self, message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _modes(arg: str) -> list[str]:
-    from .engine import MODES
+    from .checks import MODES
     modes = [m for m in arg.split(",") if m]
     if not modes:
-        raise SystemExit("error: --modes needs at least one of sync, async")
+        raise argparse.ArgumentTypeError("needs at least one of sync, async")
     for m in modes:
         if m.removesuffix("+compile") not in MODES:
-            raise SystemExit(f"error: unknown mode {m!r} in --modes (choose from {', '.join(MODES)}, each "
-                             "optionally with +compile, e.g. async+compile)")
+            raise argparse.ArgumentTypeError(f"unknown mode {m!r} (choose from {', '.join(MODES)}, each "
+                                             "optionally with +compile, e.g. async+compile)")
     return modes
 
 
@@ -41,6 +55,44 @@ def _hf_modes(arg: str) -> list[str]:
     return modes
 
 
+def _int(low: int, high: int = 2**63 - 1):
+    def parse(arg: str) -> int:
+        try:
+            value = int(arg)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            allowed = f">= {low}" if high == 2**63 - 1 else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed} (at most 2**63 - 1), got {arg!r}")
+        return value
+    return parse
+
+
+def _float(low: float, high: float = math.inf, low_open: bool = False):
+    def parse(arg: str) -> float:
+        try:
+            value = float(arg)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                                             f"got {arg!r}")
+        return value
+    return parse
+
+
+def _writable(folder: str) -> Path:
+    """Create `--out` and write a file in it now: a bad path fails before the run, not after it."""
+    out = Path(folder)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {folder!r} cannot be written: {e.strerror or e}") from None
+    return out
+
+
 def demo(args) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -50,6 +102,7 @@ def demo(args) -> None:
     from .engine import Engine
     from .model import load_model
 
+    out = _writable(args.out)
     model = load_model(args.model, device=args.device)
     tok = model.tokenizer
     if tok is None:
@@ -74,8 +127,6 @@ def demo(args) -> None:
         print(f"  {p!r} -> {tok.decode(o)!r}")
     print()
     print(bench.format_table(results))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 2.4 * len(timelines)), squeeze=False)
     for ax, r, tl in zip(axes[:, 0], results, timelines):
         tl.plot(ax=ax, title=f"{r.mode}: device busy {r.device_busy:.0%}, {r.tokens_per_s:.0f} tok/s")
@@ -90,6 +141,8 @@ def bench_cmd(args) -> None:
     from .engine import Engine
     from .model import load_model
 
+    if args.out:
+        _writable(args.out)
     model = load_model(args.model, device=args.device)
     if args.decode_attention != "auto":
         if args.decode_attention == "triton":
@@ -123,7 +176,6 @@ def bench_cmd(args) -> None:
         results.append(r)
         outs[mode] = o
         if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
             tl.save(Path(args.out) / f"timeline_{mode.replace('+', '-')}.json")  # no "+" in file names
     engine.close()  # frees the device for transformers' runs below
     if args.hf:  # transformers' continuous batching, each mode in a process of its own (bench.hf_in_own_process)
@@ -161,15 +213,15 @@ def bench_cmd(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
+    p = _Parser(prog="python -m minibatch", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the tiny model continues a few prompts; table + timeline figure")
     d.add_argument("--model", default="tiny")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
     d.add_argument("--modes", type=_modes, default=["sync", "async"], help="comma-separated: sync,async")
-    d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--temperature", type=float, default=0.7)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-new-tokens", type=_int(1), default=48)
+    d.add_argument("--temperature", type=_float(0.0), default=0.7)
+    d.add_argument("--seed", type=_int(0), default=0)
     d.add_argument("--out", default=os.environ.get("MINIBATCH_OUT", "out"), help="folder for figure and trace")
     d.set_defaults(func=demo)
     b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")
@@ -177,13 +229,13 @@ def main(argv=None) -> None:
     b.add_argument("--device", default="auto")
     b.add_argument("--modes", type=_modes, default=["sync"],
                    help="comma-separated: sync, async, sync+compile, async+compile (compile: CUDA only)")
-    b.add_argument("--num-prompts", type=int, default=32)
-    b.add_argument("--prompt-len", type=int, default=64)
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--max-batch-size", type=int, default=32)
-    b.add_argument("--max-batch-tokens", type=int, default=512)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--arrivals", type=int, default=0, metavar="STEPS",
+    b.add_argument("--num-prompts", type=_int(1), default=32)
+    b.add_argument("--prompt-len", type=_int(1), default=64)
+    b.add_argument("--max-new-tokens", type=_int(1), default=64)
+    b.add_argument("--max-batch-size", type=_int(1), default=32)
+    b.add_argument("--max-batch-tokens", type=_int(1), default=512)
+    b.add_argument("--seed", type=_int(0), default=0)
+    b.add_argument("--arrivals", type=_int(0), default=0, metavar="STEPS",
                    help="requests arrive spread over the first STEPS steps instead of all at once")
     b.add_argument("--warmup", action="store_true",
                    help="an untimed run of each mode first (and of each transformers mode, with --hf)")
@@ -195,7 +247,7 @@ def main(argv=None) -> None:
     b.add_argument("--hf-modes", type=_hf_modes, default=None,
                    help="with --hf: some of its modes, comma-separated: sync_eager, sync_graphs, async_eager, "
                         "async_graphs")
-    b.add_argument("--hf-memory", type=float, default=None,
+    b.add_argument("--hf-memory", type=_float(0.0, 1.0, low_open=True), default=None,
                    help="with --hf-all / --hf-modes: fraction of GPU memory for its KV cache (default: its own; "
                         "its async modes have run out of memory at the default on an H200)")
     b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
@@ -205,10 +257,14 @@ def main(argv=None) -> None:
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
+    from .device import DeviceError
+
     try:
         args.func(args)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except DeviceError:  # a fault or timeout inside device work is no user error: keep its traceback
+        raise
+    except (ValueError, TypeError, OSError) as e:  # user errors (bad model folder, device, sizes): one line
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         raise SystemExit(2) from None
 
 

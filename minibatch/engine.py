@@ -28,18 +28,18 @@ from typing import NamedTuple
 import torch
 
 from .async_loop import async_step
-from .batch import bucket
+from .checks import MODES, check_generate
 from .device import get_device
 from .device_base import DeviceError
 from .model import Model
 from .requests import Request, SamplingParams
+from .memory import run_sizes
 from .scheduler import Scheduler
 from .slots import IOSlot
-from .step import ROW_BUCKETS, CompiledStep, StepRunner
+from .step import CompiledStep, StepRunner
 from .sync_loop import sync_step
 from .timeline import Timeline
 
-MODES = ("sync", "async")
 STEPS = {"sync": sync_step, "async": async_step}
 
 
@@ -114,16 +114,10 @@ class Engine:
             num_slots = 2 if mode == "async" else 1
         if cuda_graphs is None:
             cuda_graphs = model.device.type == "cuda"
-        if num_blocks is None:
-            need = sorted((-(-r.max_len // block_size) for r in requests), reverse=True)
-            num_blocks = sum(need[:max_batch_size])
-        # capacities of the IO slots: the largest step, with the padding the graph layout may add (batch.py)
-        rows = bucket(max_batch_size, ROW_BUCKETS)
-        longest = max(r.max_len + 1 for r in requests)
-        width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
-        shape = _Shape(num_blocks, block_size, max_tokens=max(max_batch_tokens, rows),
-                       max_keys=max(num_blocks * block_size + model.kv_bucket, rows * width), rows=rows,
-                       num_slots=num_slots, cuda_graphs=cuda_graphs, compiled=compile,
+        num_blocks, max_tokens, max_keys, rows = run_sizes(
+            model, [r.prompt for r in requests], max(r.max_new_tokens for r in requests), max_batch_size,
+            max_batch_tokens, block_size, num_blocks)
+        shape = _Shape(num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs, compile,
                        decode=(model.decode_attention, model.decode_kv_bucket))
         dev = self._device()
         timeline = timeline if timeline is not None else Timeline()
@@ -163,7 +157,8 @@ class Engine:
                  num_blocks: int | None = None, progress: bool = False,
                  arrival_steps: Sequence[int] | None = None, on_step: Callable | None = None,
                  cuda_graphs: bool | None = None, compile: bool = False, num_slots: int | None = None,
-                 inject_delays: dict[str, float] | None = None, timeout: float | None = 600.0) -> list[list[int]]:
+                 allow_races: bool = False, inject_delays: dict[str, float] | None = None,
+                 timeout: float | None = 600.0) -> list[list[int]]:
         """Continue every prompt; return the new tokens of each, in prompt order.
 
         Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
@@ -171,58 +166,36 @@ class Engine:
         `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
         fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
         `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
-        requests). `timeout` bounds every host wait on the device (seconds): a device that
+        requests). Every argument is checked before any work (checks.py), including that the KV cache
+        and IO slots fit in free memory. `top_k` larger than the vocabulary keeps every token, as 0 does.
+        `timeout` bounds every host wait on the device (seconds; None or inf: no limit): a device that
         stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
         which prompt i reaches the server, to simulate requests arriving while the loop runs.
         `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (step.py).
         `compile=True` (CUDA only) runs decode steps through torch.compile first (step.CompiledStep).
         `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
-        seconds slept on that stream before each step's work) exist to show the race of notebook 04.
+        seconds slept on that stream before each step's work) exist to show the race of notebook 04: one
+        slot in the async loop gives wrong tokens, so it needs `allow_races=True` as well.
         `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
         """
-        model = self.model
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-        for name, value in (("max_new_tokens", max_new_tokens), ("max_batch_tokens", max_batch_tokens),
-                            ("block_size", block_size), ("max_batch_size", max_batch_size),
-                            ("num_blocks", num_blocks)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if max_batch_tokens < (max_batch_size or 1):
-            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
-                             "every running request needs room for its decode token")
-        token_lists = _as_token_lists(prompts, model)
-        eos_token_id = _eos_ids(eos_token_id, model.vocab_size)
-        limit = model.max_positions
-        for i, p in enumerate(token_lists):
-            if limit and len(p) + max_new_tokens > limit:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
-                                 f"exceed the model's {limit} positions")
-        if arrival_steps is None:
-            arrival_steps = [0] * len(token_lists)
-        if len(arrival_steps) != len(token_lists) or any(
-                not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in arrival_steps):
-            raise ValueError("arrival_steps needs one integer >= 0 per prompt")
-        if num_slots is not None and num_slots not in (1, 2):
-            raise ValueError(f"num_slots must be 1 or 2, got {num_slots!r}")
-        if inject_delays and set(inject_delays) - {"H2D", "compute", "D2H"}:
-            raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(inject_delays)}")
-        if not isinstance(compile, bool):
-            raise TypeError(f"compile must be True or False, got {compile!r}")
-        if compile and model.device.type != "cuda":
-            raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path "
-                             "stays eager: compiling would take longer than the tiny model's whole run)")
-        requests = [Request(i, p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed + i), eos_token_id,
-                            arrival_step=a) for i, (p, a) in enumerate(zip(token_lists, arrival_steps))]
+        a = check_generate(self.model, prompts, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                           top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, timeline=timeline,
+                           max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, block_size=block_size,
+                           num_blocks=num_blocks, progress=progress, arrival_steps=arrival_steps, on_step=on_step,
+                           cuda_graphs=cuda_graphs, compile=compile, num_slots=num_slots, allow_races=allow_races,
+                           inject_delays=inject_delays, timeout=timeout,
+                           reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()))
+        requests = [Request(i, p, a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + i),
+                            a.eos_token_id, arrival_step=step) for i, (p, step) in enumerate(zip(a.prompts, a.arrival_steps))]
         bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
         try:
-            self.start(requests, mode, timeline=timeline, max_batch_tokens=max_batch_tokens,
-                       max_batch_size=max_batch_size, block_size=block_size, num_blocks=num_blocks,
-                       num_slots=num_slots, cuda_graphs=cuda_graphs, compile=compile, inject_delays=inject_delays,
-                       timeout=timeout, on_step=on_step)
+            self.start(requests, mode, timeline=timeline, max_batch_tokens=a.max_batch_tokens,
+                       max_batch_size=a.max_batch_size, block_size=a.block_size, num_blocks=a.num_blocks,
+                       num_slots=a.num_slots, cuda_graphs=a.cuda_graphs, compile=compile,
+                       inject_delays=a.inject_delays, timeout=a.timeout, on_step=on_step)
             while self.has_work():
                 done = self.step()
                 if bar is not None and done:
@@ -317,43 +290,3 @@ def generate(model: Model | Engine, prompts, **options) -> list[list[int]]:
         return model.generate(prompts, **options)
     with Engine(model) as engine:
         return engine.generate(prompts, **options)
-
-
-def _as_token_lists(prompts, model: Model) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of prompts (each a list of token ids or a string), "
-                        f"got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: give at least one prompt")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if model.tokenizer is None:
-                raise ValueError(f"prompt {i} is a string but model {model.name!r} has no tokenizer: "
-                                 "pass token ids instead")
-            p = list(model.tokenizer.encode(p))
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if not isinstance(p, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise TypeError(f"prompt {i} must be a string or a list of int token ids")
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in p if not 0 <= t < model.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {model.vocab_size})")
-        out.append(list(p))
-    return out
-
-
-def _eos_ids(eos, vocab_size: int) -> int | frozenset[int] | None:
-    """None, one id, or several (Llama-3's generation config lists several), each inside the vocabulary."""
-    if eos is None:
-        return None
-    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else list(eos) if isinstance(
-        eos, (list, tuple, set, frozenset)) else None
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return ids[0] if isinstance(eos, int) else frozenset(ids)

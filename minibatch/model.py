@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
 from .batch import Batch
+from .checks import check_causal_lm, check_load, resolve_device  # noqa: F401 (notebook 00 imports resolve_device)
 from .kv_cache import PagedKVCache
 from .sampling import sample
 
@@ -49,26 +50,6 @@ RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
                                              head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True)),
 }
 
-
-
-DEVICES = ("cpu", "cuda")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'auto'/None -> cuda if available else cpu; anything else must be a valid, present device."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'") from e
-    if dev.type not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
-    return dev
 
 
 @dataclass
@@ -160,51 +141,35 @@ def load_model(
     name_or_model: "tiny" (built in, no download), a name from RANDOM_CONFIGS, a local folder or hub
     id for `from_pretrained`, or an already-built transformers model. For names and folders, dtype
     defaults to float32 on the CPU and bfloat16 on a GPU (float16 where the GPU has no bfloat16), and
-    device "auto" means a GPU if there is one.
+    device "auto" means a GPU if there is one; "float32", "bfloat16" and "float16" work as strings too.
+    Code shipped in a model folder or hub repo is never run (`trust_remote_code=False`), and every
+    loading failure is a ValueError naming the path.
 
     A model you pass in keeps its dtype and device unless you ask for others ("auto" means its own
     device); if you do, it is moved or cast in place, with a warning, since `Module.to` changes the
-    object itself. Either way its attention implementation is set to minibatch's paged attention
-    (which falls back to SDPA when called without minibatch's batch metadata, so the model's own
-    `generate` still works).
+    object itself. Either way it is put in eval mode and its attention implementation is set to
+    minibatch's paged attention (which falls back to SDPA when called without minibatch's batch
+    metadata, so the model's own `generate` still works).
     """
+    dev, dtype, seed = check_load(name_or_model, device, dtype, seed, builtin=("tiny", *RANDOM_CONFIGS))
     tokenizer = None
     if isinstance(name_or_model, PreTrainedModel):
         hf, name = name_or_model, type(name_or_model).__name__
-        own_device, own_dtype = next(hf.parameters()).device, next(hf.parameters()).dtype
-        dev = own_device if device is None or device == "auto" else resolve_device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        changes = [f"{what} {a} -> {b}" for what, a, b in (("device", own_device, dev), ("dtype", own_dtype, dtype))
-                   if b is not None and a != b]
+        own = next(hf.parameters())
+        changes = [f"{what} {a} -> {b}" for what, a, b in (("device", own.device, dev), ("dtype", own.dtype, dtype))
+                   if a != b]
         if changes:
             warnings.warn(f"load_model changes the model you passed in place: {', '.join(changes)}", stacklevel=2)
-            hf.to(device=dev, dtype=dtype or own_dtype)
-    elif isinstance(name_or_model, (str, os.PathLike)):
-        dev = resolve_device(device)
-        if dtype is None:
-            dtype = torch.float32
-            if dev.type == "cuda":
-                dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        name = str(name_or_model)
+            hf.to(device=dev, dtype=dtype)
+    else:
+        name = os.fspath(name_or_model)
         if name in RANDOM_CONFIGS:
             hf = _random_model(name, dev, dtype, seed)
-        else:
-            path = TINY_DIR if name == "tiny" else name
-            if name == "tiny" or os.path.isdir(path) or "/" in name:
-                hf = _from_pretrained(path, dev, dtype)
-            else:
-                known = ", ".join(["tiny", *RANDOM_CONFIGS])
-                raise ValueError(f"unknown model {name!r}: not a built-in name ({known}), a local folder "
-                                 "or a hub id of the form 'org/name'")
-            if name == "tiny":
-                from .tokenizer import ByteTokenizer
-                tokenizer = ByteTokenizer()
-            else:
-                tokenizer = _try_tokenizer(path)
-    else:
-        raise TypeError(f"load_model takes a name, a path or a transformers PreTrainedModel, "
-                        f"not {type(name_or_model).__name__}")
+        elif name == "tiny":
+            from .tokenizer import ByteTokenizer
+            hf, tokenizer = _from_pretrained(TINY_DIR, dev, dtype), ByteTokenizer()
+        else:  # a local folder or a hub id
+            hf, tokenizer = _from_pretrained(name, dev, dtype), _try_tokenizer(name)
     hf.eval()
     hf.set_attn_implementation(ATTN_NAME)
     return Model(hf, dev, tokenizer, name)
@@ -214,16 +179,27 @@ def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedM
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # keep notebook output deterministic
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev)
-    except OSError as e:
-        raise ValueError(f"could not load model {str(path)!r}: {e}") from e
+        # trust_remote_code=False: never run a folder's own Python, and never ask on stdin whether to
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                                     trust_remote_code=False, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, JSON, custom code: one error naming the path
+        cause = " ".join(str(e).split())  # transformers' messages span lines
+        raise ValueError(f"could not load model {str(path)!r}: {type(e).__name__}: {cause}") from e
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    check_causal_lm(hf, str(path))
+    if info["missing_keys"]:  # transformers fills them with random numbers: the model would emit noise
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"could not load model {str(path)!r}: the folder has no weights for {', '.join(missing[:3])}"
+                         f"{' and more' if len(missing) > 3 else ''} of {type(hf).__name__} (a model saved without "
+                         "its causal LM head?)")
+    return hf.to(dev)
 
 
 def _try_tokenizer(path):
     try:
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None  # token-id prompts still work
+        return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - no usable tokenizer (missing, custom code, broken): token ids still work
+        return None

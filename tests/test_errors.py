@@ -22,7 +22,7 @@ import minibatch
     ([[1, 2]], {"eos_token_id": 10**6}, ValueError, "eos_token_id"),
     (["hello"], {}, ValueError, "has no tokenizer"),
     ("hello", {}, TypeError, "list of prompts"),
-    ([[1, 2]], {"block_size": 0}, ValueError, "block_size must be an integer >= 1"),
+    ([[1, 2]], {"block_size": 0}, ValueError, r"block_size must be an integer in \[1, 512\]"),
     ([[1, 2]], {"max_batch_tokens": 0}, ValueError, "max_batch_tokens must be an integer >= 1"),
     ([[1, 2]], {"max_batch_size": 0}, ValueError, "max_batch_size must be an integer >= 1"),
     ([[1, 2]], {"num_blocks": -1}, ValueError, "num_blocks must be an integer >= 1"),

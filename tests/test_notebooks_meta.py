@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from build_notebooks import parse  # noqa: E402
 
 # the first chapter that introduces each module (README's notebook map says the same)
-CHAPTER = {"model": 0, "tokenizer": 0, "engine": 0,
+CHAPTER = {"model": 0, "tokenizer": 0, "engine": 0, "checks": 0, "memory": 0,
            "requests": 1, "kv_cache": 1, "scheduler": 1, "batch": 1, "sampling": 1, "sync_loop": 1,
            "timeline": 1, "device": 2, "device_base": 2, "cpu_device": 2, "cuda_device": 2, "slots": 4, "step": 4,
            "carry_over": 5,

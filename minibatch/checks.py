@@ -1,0 +1,294 @@
+"""The argument checks of `generate` and `load_model`: one pass each, before any work starts.
+
+Why a separate pass: a bad value that gets past the top of `generate` surfaces much later and far
+from its cause: a float `top_k` silently truncated, a `seed` that overflows int64 in batch.py, a
+`timeout=nan` that busy-waits forever, a `max_batch_tokens=10**9` that allocates gigabytes of IO
+buffers, or (worst) the async loop with one IO slot, which returns wrong tokens without a word
+(notebook 04's race). Here every argument is checked for its type (ints are ints, not floats or
+bools), finiteness, range and size; each error names the argument, the value and what is allowed.
+
+Memory is checked by estimate (memory.py): the KV cache and the IO slots are sized from the
+arguments and compared with the memory free on the model's device, so a run that cannot fit fails at
+once with the number, instead of swapping or dying in the allocator.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .memory import check_memory, run_sizes
+from .timeline import Timeline
+
+MODES = ("sync", "async")
+DEVICES = ("cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STAGES = ("H2D", "compute", "D2H")
+INT64_MAX = 2**63 - 1  # seeds and top_k travel to the device as int64 (batch.py)
+
+
+def _int(name: str, value: Any, low: int | None = 1, high: int | None = None) -> int:
+    """An int (a Python or numpy integer, not a bool or a float such as 2.0) in [low, high]."""
+    allowed = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r} ({type(value).__name__})")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    return int(value)
+
+
+def _number(name: str, value: Any, allowed: str, ok=lambda v: True) -> float:
+    """A finite real number (ints accepted, bools and strings not) for which ok(value) holds."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def token_lists(prompts: Any, model) -> list[list[int]]:
+    """Prompts as lists of token ids: strings go through the model's tokenizer; bytes are refused."""
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of prompts (each a list of token ids or a string), "
+                        f"got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (bytes, bytearray)):  # else taken as raw byte ids: say what to pass instead
+            raise TypeError(f"prompt {i} is {type(p).__name__}: pass a string (decoded text) or a list of token ids")
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but model {model.name!r} has no tokenizer: "
+                                 "pass token ids instead")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt {i} cannot be encoded as UTF-8 text (character {e.start}: {e.reason}, "
+                                 "e.g. a lone surrogate)") from None
+            p = list(model.tokenizer.encode(p))
+        if isinstance(p, torch.Tensor):
+            p = p.tolist() if p.dim() == 1 and not p.is_floating_point() else [p]
+        if not isinstance(p, Sequence) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                  for t in p):
+            raise TypeError(f"prompt {i} must be a string or a list of int token ids")
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in p if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {model.vocab_size})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def eos_ids(eos: Any, vocab_size: int) -> int | frozenset[int] | None:
+    """None, one id, or several (Llama-3's generation config lists several), each inside the vocabulary."""
+    if eos is None:
+        return None
+    one = isinstance(eos, numbers.Integral) and not isinstance(eos, bool)
+    ids = [eos] if one else list(eos) if isinstance(eos, (list, tuple, set, frozenset)) else None
+    if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return int(ids[0]) if one else frozenset(int(t) for t in ids)
+
+
+class GenerateArgs(NamedTuple):
+    """`generate`'s arguments after the checks, with every size the run will allocate."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float
+    top_k: int  # clamped to the vocabulary size: a larger top_k keeps every token, as top_k=0 does
+    top_p: float
+    seed: int
+    eos_token_id: int | frozenset[int] | None
+    arrival_steps: list[int]
+    max_batch_size: int
+    max_batch_tokens: int
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    cuda_graphs: bool
+    inject_delays: dict[str, float]
+    timeout: float | None  # None: no limit
+    max_tokens: int  # the IO slots' capacities (slots.py): tokens, keys and sampled rows of the largest step
+    max_keys: int
+    rows: int
+
+
+def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, top_p, seed, eos_token_id,
+                   timeline, max_batch_size, max_batch_tokens, block_size, num_blocks, progress, arrival_steps,
+                   on_step, cuda_graphs, compile, num_slots, allow_races, inject_delays, timeout,
+                   reusable_bytes: int = 0) -> GenerateArgs:
+    """Check every argument of `generate` (see its docstring); raise TypeError/ValueError naming the first bad one."""
+    from .model import Model
+
+    if not isinstance(model, Model):
+        raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    cuda = model.device.type == "cuda"
+    max_new_tokens = _int("max_new_tokens", max_new_tokens)
+    max_batch_tokens = _int("max_batch_tokens", max_batch_tokens)
+    block_size = _int("block_size", block_size, high=model.max_positions or None)  # a block serves one request
+    max_batch_size = min(32, max_batch_tokens) if max_batch_size is None else _int("max_batch_size", max_batch_size)
+    if max_batch_tokens < max_batch_size:
+        raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
+                         "every running request needs room for its decode token")
+    temperature = _number("temperature", temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
+    top_k = min(_int("top_k", top_k, low=0), model.vocab_size)
+    top_p = _number("top_p", top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+    token_ids = token_lists(prompts, model)
+    n = len(token_ids)
+    seed = _int("seed", seed, low=0, high=INT64_MAX - (n - 1))  # request i samples with seed + i
+    eos = eos_ids(eos_token_id, model.vocab_size)
+    limit = model.max_positions
+    for i, p in enumerate(token_ids):
+        if limit and len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
+                             f"exceed the model's {limit} positions")
+    if arrival_steps is None:
+        arrival_steps = [0] * n
+    if isinstance(arrival_steps, (str, bytes)) or not isinstance(arrival_steps, Sequence) or len(arrival_steps) != n:
+        raise ValueError(f"arrival_steps needs one integer >= 0 per prompt ({n}) in a list or tuple, got "
+                         f"{arrival_steps!r}")
+    arrival_steps = [_int(f"arrival_steps[{i}]", a, low=0) for i, a in enumerate(arrival_steps)]
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a minibatch.Timeline or None, got {type(timeline).__name__}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a function on_step(plan, finished) or None, got {on_step!r}")
+    _bool("progress", progress)
+    _bool("compile", compile)
+    if compile and not cuda:
+        raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
+                         "eager: compiling would take longer than the tiny model's whole run)")
+    cuda_graphs = cuda if cuda_graphs is None else _bool("cuda_graphs", cuda_graphs)
+    if cuda_graphs and not cuda:
+        raise ValueError(f"cuda_graphs=True needs a CUDA model; this model is on {model.device}")
+    num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)
+    _bool("allow_races", allow_races)
+    if mode == "async" and num_slots == 1 and not allow_races:
+        raise ValueError("num_slots=1 in the async loop races: the host writes step N+1's inputs into the only "
+                         "IO slot while the device may still read step N's, and tokens come out wrong without "
+                         "an error (notebook 04). Use num_slots=2 (the default), or pass allow_races=True to "
+                         "show the race on purpose")
+    timeout = _timeout(timeout)
+    delays = _delays(inject_delays)
+    num_blocks = None if num_blocks is None else _int("num_blocks", num_blocks)
+    sizes = run_sizes(model, token_ids, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks)
+    check_memory(model, *sizes, block_size, num_slots, given_blocks=num_blocks is not None, reusable=reusable_bytes)
+    return GenerateArgs(token_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, arrival_steps,
+                        max_batch_size, max_batch_tokens, block_size, sizes[0], num_slots, cuda_graphs, delays,
+                        timeout, *sizes[1:])
+
+
+def _timeout(timeout: Any) -> float | None:
+    """None or a finite number of seconds > 0; inf means no limit (None)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
+        return None
+    return _number("timeout", timeout, "of seconds > 0 (or None: no limit)", lambda v: v > 0)
+
+
+def _delays(delays: Any) -> dict[str, float]:
+    if delays is None:
+        return {}
+    if not isinstance(delays, Mapping):
+        raise TypeError(f"inject_delays must be a dict like {{'H2D': 0.03}} (keys {STAGES}), got {delays!r}")
+    if set(delays) - set(STAGES):
+        raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(map(str, delays))}")
+    # a delay longer than timeout is allowed: it is how a stuck device is simulated (tests/test_faults.py)
+    return {stage: _number(f"inject_delays[{stage!r}]", s, "of seconds >= 0", lambda v: v >= 0)
+            for stage, s in delays.items()}
+
+
+# --- load_model ---------------------------------------------------------------------------------------
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto'/None -> cuda if available else cpu; 'cpu:0' -> cpu; anything else must be a present device."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', a torch.device or None, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'") from e
+    if dev.type not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # one CPU device: an index means nothing to the cpu backend
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
+    return dev
+
+
+def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
+               builtin: tuple[str, ...]) -> tuple[torch.device, torch.dtype, int]:
+    """Check `load_model`'s arguments; return its device (normalized), dtype (default: a given model's own;
+    else float32 on the CPU, bfloat16 on a GPU) and seed. A folder's own files are checked as far as can be without loading it."""
+    from transformers import PreTrainedModel
+
+    if isinstance(name_or_model, PreTrainedModel):
+        check_causal_lm(name_or_model, type(name_or_model).__name__)
+    elif not isinstance(name_or_model, (str, os.PathLike)):
+        raise TypeError("load_model takes a name, a path or a transformers PreTrainedModel, "
+                        f"not {type(name_or_model).__name__}")
+    elif (path := os.fspath(name_or_model)) not in builtin:
+        if os.path.isfile(path):
+            raise ValueError(f"could not load model {path!r}: it is a file; give the folder that holds config.json "
+                             "and the weights")
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"could not load model {path!r}: the folder has no config.json")
+        if not os.path.isdir(path) and "/" not in path:
+            raise ValueError(f"unknown model {path!r}: not a built-in name ({', '.join(builtin)}), a local folder "
+                             "or a hub id of the form 'org/name'")
+    given = next(name_or_model.parameters()) if isinstance(name_or_model, PreTrainedModel) else None
+    if given is not None and (device is None or device == "auto"):
+        dev = given.device  # a model passed in keeps its device unless another is asked for
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = resolve_device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None and given is not None:
+        dtype = given.dtype  # ... and its dtype
+    elif dtype is None:
+        dtype = torch.float32
+        if dev.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    elif isinstance(dtype, str) and dtype in DTYPES:
+        dtype = DTYPES[dtype]
+    elif dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 (or their names as "
+                         f"strings) or None, got {dtype!r}")
+    return dev, dtype, _int("seed", seed, low=0, high=INT64_MAX)
+
+
+def check_causal_lm(hf, name: str) -> None:
+    """minibatch needs a decoder-only model with a language-modelling head (it samples from the logits)."""
+    cfg = getattr(hf, "config", None)
+    if not hf.can_generate() or getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"model {name!r} is a {type(hf).__name__}, which is not a decoder-only causal LM with a "
+                         "language-modelling head: load it with transformers.AutoModelForCausalLM")
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+               if not isinstance(getattr(cfg, a, None), int)]
+    if missing:
+        raise ValueError(f"model {name!r}: its config has no {', '.join(missing)}, which minibatch sizes the KV "
+                         "cache from")

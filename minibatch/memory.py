@@ -1,0 +1,97 @@
+"""How much memory a `generate` run allocates, and whether the machine has it (checked before allocating).
+
+The big allocations of a run are known from its arguments before anything is allocated:
+
+    KV cache    2 (keys, values) x layers x (num_blocks + 1 scratch) x block_size x kv_heads x head_dim
+                x dtype bytes, on the model's device
+    IO slots    per slot, host and device buffers of every batch field (slots.py), int64 at most:
+                token fields x max_batch_tokens, key fields x the keys of the largest step, row fields x rows
+    free list   one Python int per KV block on the host (kv_cache.BlockAllocator)
+
+A run whose estimate exceeds MEMORY_FRACTION of the free memory is refused with the numbers and the
+arguments to lower, instead of swapping the machine or failing deep in the allocator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .batch import TENSOR_FIELDS, bucket
+from .step import ROW_BUCKETS
+from .slots import EXTENT
+
+MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
+
+
+def run_sizes(model, prompts, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks):
+    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of the run."""
+    need = sorted((-(-(len(p) + max_new_tokens - 1) // block_size) for p in prompts), reverse=True)
+    if num_blocks is None:  # enough for max_batch_size of the longest requests at once
+        num_blocks = sum(need[:max_batch_size])
+    if need[0] > num_blocks:
+        raise ValueError(f"a request needs {need[0]} blocks of {block_size} tokens of KV cache but the cache only "
+                         f"has num_blocks={num_blocks}: it could never run")
+    # the largest step, with the padding the graph layout may add (batch.py)
+    rows = bucket(max_batch_size, ROW_BUCKETS)
+    longest = max(len(p) + max_new_tokens for p in prompts)
+    width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
+    return num_blocks, max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width), rows
+
+
+def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows: int, block_size: int,
+                   num_slots: int) -> dict[str, int]:
+    """Bytes a run allocates: KV cache (device), IO slots (host and device), block free list (host)."""
+    kv = 2 * model.num_layers * (num_blocks + 1) * block_size * model.num_kv_heads * model.head_dim
+    kv *= model.dtype.itemsize
+    caps = {"T": max_tokens, "K": max_keys, "R": rows}
+    fields = sum(caps[EXTENT.get(name, "R")] for name in TENSOR_FIELDS)
+    io_host = 8 * (fields + 2 * rows) * num_slots  # every field, carry-over mask, sampled ids (int64 at most)
+    io_dev = 8 * (fields + 2 * rows + max_tokens) * num_slots  # + the patched ids
+    return {"kv": kv, "io_host": io_host, "io_dev": io_dev, "allocator": 40 * num_blocks}  # a Python int per block
+
+
+def available_bytes(device: torch.device) -> tuple[int, int]:
+    """(free device memory, free host memory) in bytes; on the CPU both are the same host memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            host = 2**62  # unknown: do not refuse on a guess
+    if device.type != "cuda":
+        return host, host
+    # memory PyTorch's allocator holds but no tensor uses is free to this process, though not to the driver
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached, host
+
+
+def check_memory(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots, given_blocks=True,
+                 reusable: int = 0) -> None:
+    """Refuse a run whose KV cache and IO slots cannot fit in free memory, naming the sizes and arguments.
+
+    `reusable`: device bytes an engine holds for kept shapes, which it reuses or frees for this run.
+    """
+    b = estimate_bytes(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots)
+    dev_free, host_free = available_bytes(model.device)
+    if model.device.type == "cuda":
+        # an engine's kept caches are reused or freed: count them as free, so that a run of a shape that
+        # fitted before is never refused
+        dev_free += reusable
+        needs = [("device", b["kv"] + b["io_dev"], dev_free), ("host", b["io_host"] + b["allocator"], host_free)]
+    else:
+        needs = [("host", sum(b.values()), host_free)]
+    culprit = ("num_blocks or block_size" if b["kv"] + b["allocator"] >= b["io_host"] + b["io_dev"]
+               else "max_batch_tokens or max_batch_size")
+    gb = 1e9
+    for where, need, free in needs:
+        if need > MEMORY_FRACTION * free:
+            raise ValueError(
+                f"this run needs about {need / gb:.1f} GB of {where} memory but {free / gb:.1f} GB are free on "
+                f"{model.device} (at most {MEMORY_FRACTION:.0%} is used): KV cache {b['kv'] / gb:.1f} GB for "
+                f"num_blocks={num_blocks}{'' if given_blocks else ' (from the prompts and max_new_tokens)'} x "
+                f"block_size={block_size}, IO slots {(b['io_host'] + b['io_dev']) / gb:.1f} GB for {max_tokens} "
+                f"tokens (max_batch_tokens), {rows} rows (max_batch_size) and {max_keys} keys. Lower {culprit}")
