@@ -23,6 +23,8 @@ copies over the keys, not Python work per key.
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from dataclasses import dataclass, fields
 
@@ -114,21 +116,29 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     chunks = plan.chunks
     n = len(chunks)
     bs = cache.block_size
-    tables = [_cell_table(c.request, bs) for c in chunks]  # each request's cells, position -> cell
-    starts = np.fromiter((c.start for c in chunks), np.int64, n)
-    ends = np.fromiter((c.end for c in chunks), np.int64, n)
-    if n and (ends > np.fromiter((len(t) for t in tables), np.int64, n)).any():
-        raise ValueError("a chunk reaches past its request's block table (too few KV blocks)")
-    counts = ends - starts
-    sample = np.fromiter((c.sample for c in chunks), bool, n)
+    # one pass over the chunks; everything else is numpy over whole arrays
     ids: list[int] = []
+    tables, starts, ends, sample, sampled = [], [], [], [], []
     for c in chunks:
-        r = c.request
-        if c.end <= len(r.prompt):  # a prompt chunk: all known
-            ids.extend(r.prompt[c.start:c.end])
+        r, start, end = c.request, c.start, c.end
+        kept = r.cell_table
+        fresh = kept is not None and kept[0] is r.blocks and kept[1] == bs and len(kept[2]) == len(r.blocks) * bs
+        table = kept[2] if fresh else _cell_table(r, bs)
+        if end > len(table):
+            raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
+        tables.append(table), starts.append(start), ends.append(end), sample.append(c.sample)
+        prompt = r.prompt
+        if end <= len(prompt):  # (part of) the prompt: all known
+            ids.extend(prompt[start:end])
+        elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
+            k, out = start - len(prompt), r.output
+            ids.append(out[k] if k < len(out) else 0)
         else:
-            ids.extend(input_token(r, p) for p in range(c.start, c.end))
-    sampled = [c.request for c in chunks if c.sample]
+            ids.extend(input_token(r, p) for p in range(start, end))
+        if c.sample:
+            sampled.append(r)
+    starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
+    counts = ends - starts
     temp = [r.sampling.temperature for r in sampled]
     samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
             [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
@@ -137,7 +147,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     pad = rows - n  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
     if pad:
         scratch = cache.scratch_cell
-        tables += [np.full(1, scratch, np.int64)] * pad
+        tables += [_scratch_table(scratch)] * pad
         starts, ends, counts = (np.concatenate([a, np.full(pad, v, np.int64)]) for a, v in
                                 ((starts, 0), (ends, 1), (counts, 1)))
         sample = np.concatenate([sample, np.ones(pad, bool)])
@@ -152,11 +162,13 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         cell_mapping = np.fromiter((t[s] for t, s in zip(tables, starts.tolist())), np.int64, rows)
     else:
         cell_mapping = np.concatenate([t[s:e] for t, s, e in zip(tables, starts.tolist(), ends.tolist())] or [_EMPTY])
-    keys = _decode_keys if decode else _flat_keys
-    kv_indices, kv_seq, kv_pos = keys(ends, tables, cache.scratch_cell, (decode_bucket or kv_bucket) if decode else kv_bucket)
+    if decode:
+        kv_indices, kv_seq, kv_pos = _decode_keys(ends, tables, cache.scratch_cell, decode_bucket or kv_bucket, cache)
+    else:
+        kv_indices, kv_seq, kv_pos = _flat_keys(ends, tables, cache.scratch_cell, kv_bucket)
     t = torch.from_numpy
     return Batch(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
+        input_ids=t(np.array(ids, np.int64)),
         positions=t(positions),
         q_seq=t(q_seq),
         cell_mapping=t(cell_mapping),
@@ -164,33 +176,34 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         kv_seq=t(kv_seq),
         kv_pos=t(kv_pos),
         logits_indices=t((first + counts - 1)[sample]),  # the last token of each sampling chunk
-        temperature=torch.tensor(temp, dtype=torch.float32),
-        top_k=torch.tensor(samp[0], dtype=torch.int64),
-        top_p=torch.tensor(samp[1], dtype=torch.float32),
-        seed=torch.tensor(samp[2], dtype=torch.int64),
-        counter=torch.tensor(samp[3], dtype=torch.int64),
+        temperature=t(np.array(temp, np.float32)),
+        top_k=t(np.array(samp[0], np.int64)),
+        top_p=t(np.array(samp[1], np.float32)),
+        seed=t(np.array(samp[2], np.int64)),
+        counter=t(np.array(samp[3], np.int64)),
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
     )
 
 
 _EMPTY = np.zeros(0, np.int64)
-#: request -> (its block table, block size, the cell of each of its positions); weak: gone with the request
-_CELLS: "weakref.WeakKeyDictionary[Request, tuple]" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=8)
+def _scratch_table(scratch: int) -> np.ndarray:
+    """The cell table of a padding row: its one token lives in the scratch cell."""
+    return np.full(1, scratch, np.int64)
 
 
 def _cell_table(r: Request, block_size: int) -> np.ndarray:
     """Cell of every position r's block table covers: block_table[t // bs] * bs + t % bs for all t.
 
-    Computed once per request and kept: the table is fixed from admission on (kv_cache.py), so a new
-    list (or length) means new blocks and a new computation.
+    Computed once per request and kept on it (`Request.cell_table`, with the block list it was made
+    from): the block table is fixed from admission on (kv_cache.py), so a new list means new blocks.
     """
-    kept = _CELLS.get(r)
-    if kept is not None and kept[0] is r.blocks and kept[1] == block_size and len(kept[2]) == len(r.blocks) * block_size:
-        return kept[2]
     blocks = np.asarray(r.blocks, dtype=np.int64)
     cells = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
-    _CELLS[r] = (r.blocks, block_size, cells)
+    r.cell_table = (r.blocks, block_size, cells)
     return cells
 
 
@@ -208,16 +221,66 @@ def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_buck
     return kv_indices, kv_seq, kv_pos
 
 
-def _decode_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int):
+class _DecodeKeys:
+    """The decode layout's key table, kept from one step to the next (one per cache).
+
+    Between two decode steps of the same requests in the same order, each row's context grows by
+    one token, so the table changes in one cell per row (and, when the longest row crosses a bucket,
+    by a block of padding columns): the update costs O(rows), not O(rows x L). Any other change
+    (a request joins or leaves, rows move, a different bucket) builds the table afresh. The batch's
+    key tensors are views of the table; while one of them is alive (sys.getrefcount sees its view),
+    the next update writes to a copy, so a batch never changes after it is built.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple = ()  # (tables by identity, bucket size, scratch cell): what the table is for
+        self.ends = _EMPTY
+        self.indices = self.seq = self.pos = np.zeros((0, 0), np.int64)
+
+    def build(self, ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int):
+        width = -(-int(ends.max()) // bucket_size) * bucket_size
+        key = (tuple(map(id, tables)), bucket_size, scratch)
+        if key != self.key or (ends < self.ends).any() or (ends > self.ends + 1).any():
+            self._fresh(ends, tables, scratch, width)
+        else:
+            # (2 references when none is alive: the attribute and getrefcount's own argument)
+            if sys.getrefcount(self.indices) > 2 or sys.getrefcount(self.seq) > 2 or sys.getrefcount(self.pos) > 2:
+                # copy on write: a batch built earlier still uses the table (its tensors view it)
+                self.indices, self.seq, self.pos = self.indices.copy(), self.seq.copy(), self.pos.copy()
+            if width > self.indices.shape[1]:
+                self._widen(width, scratch)
+            grew = np.flatnonzero(ends > self.ends)
+            at = ends[grew] - 1
+            self.indices[grew, at] = np.fromiter((tables[i][p] for i, p in zip(grew.tolist(), at.tolist())),
+                                                 np.int64, len(grew))
+            self.seq[grew, at] = grew
+            self.pos[grew, at] = at
+        self.key, self.ends = key, ends
+        self.tables = tables  # holds them alive, so no other array can take their ids in `key`
+        return self.indices.reshape(-1), self.seq.reshape(-1), self.pos.reshape(-1)  # views of the table
+
+    def _fresh(self, ends, tables, scratch, width):
+        n = len(ends)
+        valid = np.arange(width) < ends[:, None]
+        self.indices = np.full((n, width), scratch, np.int64)
+        self.seq = np.where(valid, np.arange(n)[:, None], -1)
+        self.pos = np.where(valid, np.arange(width), 0)
+        for i, (t, e) in enumerate(zip(tables, ends.tolist())):
+            self.indices[i, :e] = t[:e]
+
+    def _widen(self, width, scratch):
+        n, old = self.indices.shape
+        self.indices = np.concatenate([self.indices, np.full((n, width - old), scratch, np.int64)], 1)
+        self.seq = np.concatenate([self.seq, np.full((n, width - old), -1, np.int64)], 1)
+        self.pos = np.concatenate([self.pos, np.zeros((n, width - old), np.int64)], 1)
+
+
+_DECODE_KEYS: "weakref.WeakKeyDictionary[PagedKVCache, _DecodeKeys]" = weakref.WeakKeyDictionary()
+
+
+def _decode_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int, cache=None):
     """One row of L = round_up(max(ends), bucket_size) keys per chunk, each padded past its end."""
-    n = len(ends)
-    ends_l = ends.tolist()
-    width = -(-max(ends_l) // bucket_size) * bucket_size
-    fill = np.full(width, scratch, np.int64)
-    zeros = np.zeros(width, np.int64)
-    positions = np.arange(width)
-    kv_indices = np.concatenate([p for t, e in zip(tables, ends_l) for p in (t[:e], fill[e:])])
-    kv_pos = np.concatenate([p for e in ends_l for p in (positions[:e], zeros[e:])])
-    seq = np.stack([np.arange(n), np.full(n, -1)], 1).reshape(-1)  # i, -1, i+1, -1, ...
-    kv_seq = np.repeat(seq, np.stack([ends, width - ends], 1).reshape(-1))
-    return kv_indices, kv_seq, kv_pos
+    table = _DECODE_KEYS.get(cache)
+    if table is None:
+        table = _DECODE_KEYS[cache] = _DecodeKeys()
+    return table.build(ends, tables, scratch, bucket_size)

@@ -74,6 +74,7 @@ def host_cost(rows: int, context: int, decode_layout: bool, steps: int = 50) -> 
             carry = carry_over_mask(prev, plan)
             t3 = time.perf_counter()
             slot.load(batch, carry)
+            del batch  # as in the loops, which keep no batch after loading it (batch.py: copy on write)
             t4 = time.perf_counter()
             sampled = slot.sampled(len(plan.sampling_chunks))  # the D2H'd buffer, read as the loop does
             t5 = time.perf_counter()

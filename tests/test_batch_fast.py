@@ -63,3 +63,23 @@ def test_fast_builder_equals_reference(w):
                 held = plan
             else:
                 sched.update(plan, [(c.request.rid * 31 + c.end * 7) % VOCAB for c in plan.sampling_chunks])
+
+
+def test_decode_table_is_copied_while_an_earlier_batch_lives():
+    """The incremental decode key table must not change a batch that was built before."""
+    reqs = [Request(i, list(range(5 + 3 * i)), 20) for i in range(3)]
+    cache = PagedKVCache(1, 1, 1, 30, 4)
+    sched = Scheduler(cache.allocator, 64, 3)
+    for r in reqs:
+        sched.add(r)
+    sched.update(sched.schedule(), [1, 2, 3])  # all prompts in one step
+    kw = dict(kv_bucket=4, decode_layout=True, row_buckets=ROW_BUCKETS)
+    kept = []
+    for _ in range(6):
+        plan = sched.schedule()
+        batch = build_batch(plan, cache, **kw)
+        assert batch.decode_rows == 4
+        kept.append((batch, reference_build_batch(plan, cache, **kw)))
+        sched.update(plan, [1, 2, 3])
+    for fast, ref in kept:
+        assert_same(fast, ref)
