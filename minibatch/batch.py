@@ -24,13 +24,12 @@ copies over the keys, not Python work per key.
 from __future__ import annotations
 
 import functools
-import sys
-import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
+from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
 from .requests import Request
 from .scheduler import BatchPlan
@@ -56,6 +55,9 @@ class Batch:
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
+    # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
+    # since it last held them (decode_keys.py); None for other batches and on the device
+    key_source: object = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +78,7 @@ class Batch:
 
 #: the host-side layout facts that travel with a batch but are not tensors
 LAYOUT_FIELDS = ("decode_rows", "all_greedy")
-TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS)
+TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
 def needs_placeholder(r: Request, pos: int) -> bool:
@@ -162,8 +164,9 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         cell_mapping = np.fromiter((t[s] for t, s in zip(tables, starts.tolist())), np.int64, rows)
     else:
         cell_mapping = np.concatenate([t[s:e] for t, s, e in zip(tables, starts.tolist(), ends.tolist())] or [_EMPTY])
+    source = None
     if decode:
-        kv_indices, kv_seq, kv_pos = _decode_keys(ends, tables, cache.scratch_cell, decode_bucket or kv_bucket, cache)
+        (kv_indices, kv_seq, kv_pos), source = decode_keys(cache, ends, tables, decode_bucket or kv_bucket)
     else:
         kv_indices, kv_seq, kv_pos = _flat_keys(ends, tables, cache.scratch_cell, kv_bucket)
     t = torch.from_numpy
@@ -183,6 +186,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         counter=t(np.array(samp[3], np.int64)),
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
+        key_source=source,
     )
 
 
@@ -219,68 +223,3 @@ def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_buck
     longest = np.arange(max(ends_l, default=0))
     kv_pos = np.concatenate([longest[:e] for e in ends_l] + [np.zeros(pad, np.int64)])
     return kv_indices, kv_seq, kv_pos
-
-
-class _DecodeKeys:
-    """The decode layout's key table, kept from one step to the next (one per cache).
-
-    Between two decode steps of the same requests in the same order, each row's context grows by
-    one token, so the table changes in one cell per row (and, when the longest row crosses a bucket,
-    by a block of padding columns): the update costs O(rows), not O(rows x L). Any other change
-    (a request joins or leaves, rows move, a different bucket) builds the table afresh. The batch's
-    key tensors are views of the table; while one of them is alive (sys.getrefcount sees its view),
-    the next update writes to a copy, so a batch never changes after it is built.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple = ()  # (tables by identity, bucket size, scratch cell): what the table is for
-        self.ends = _EMPTY
-        self.indices = self.seq = self.pos = np.zeros((0, 0), np.int64)
-
-    def build(self, ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int):
-        width = -(-int(ends.max()) // bucket_size) * bucket_size
-        key = (tuple(map(id, tables)), bucket_size, scratch)
-        if key != self.key or (ends < self.ends).any() or (ends > self.ends + 1).any():
-            self._fresh(ends, tables, scratch, width)
-        else:
-            # (2 references when none is alive: the attribute and getrefcount's own argument)
-            if sys.getrefcount(self.indices) > 2 or sys.getrefcount(self.seq) > 2 or sys.getrefcount(self.pos) > 2:
-                # copy on write: a batch built earlier still uses the table (its tensors view it)
-                self.indices, self.seq, self.pos = self.indices.copy(), self.seq.copy(), self.pos.copy()
-            if width > self.indices.shape[1]:
-                self._widen(width, scratch)
-            grew = np.flatnonzero(ends > self.ends)
-            at = ends[grew] - 1
-            self.indices[grew, at] = np.fromiter((tables[i][p] for i, p in zip(grew.tolist(), at.tolist())),
-                                                 np.int64, len(grew))
-            self.seq[grew, at] = grew
-            self.pos[grew, at] = at
-        self.key, self.ends = key, ends
-        self.tables = tables  # holds them alive, so no other array can take their ids in `key`
-        return self.indices.reshape(-1), self.seq.reshape(-1), self.pos.reshape(-1)  # views of the table
-
-    def _fresh(self, ends, tables, scratch, width):
-        n = len(ends)
-        valid = np.arange(width) < ends[:, None]
-        self.indices = np.full((n, width), scratch, np.int64)
-        self.seq = np.where(valid, np.arange(n)[:, None], -1)
-        self.pos = np.where(valid, np.arange(width), 0)
-        for i, (t, e) in enumerate(zip(tables, ends.tolist())):
-            self.indices[i, :e] = t[:e]
-
-    def _widen(self, width, scratch):
-        n, old = self.indices.shape
-        self.indices = np.concatenate([self.indices, np.full((n, width - old), scratch, np.int64)], 1)
-        self.seq = np.concatenate([self.seq, np.full((n, width - old), -1, np.int64)], 1)
-        self.pos = np.concatenate([self.pos, np.zeros((n, width - old), np.int64)], 1)
-
-
-_DECODE_KEYS: "weakref.WeakKeyDictionary[PagedKVCache, _DecodeKeys]" = weakref.WeakKeyDictionary()
-
-
-def _decode_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int, cache=None):
-    """One row of L = round_up(max(ends), bucket_size) keys per chunk, each padded past its end."""
-    table = _DECODE_KEYS.get(cache)
-    if table is None:
-        table = _DECODE_KEYS[cache] = _DecodeKeys()
-    return table.build(ends, tables, scratch, bucket_size)

@@ -83,3 +83,35 @@ def test_decode_table_is_copied_while_an_earlier_batch_lives():
         sched.update(plan, [1, 2, 3])
     for fast, ref in kept:
         assert_same(fast, ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads)
+def test_slots_loaded_by_what_changed_hold_the_whole_batch(w):
+    """Two IO slots loaded in turn, as the async loop does (decode batches copy only the key cells that
+    changed since the slot's last load): after every load the slot's host buffers equal the batch."""
+    from minibatch.device import get_device
+    from minibatch.slots import IOSlot
+
+    bs = w["block_size"]
+    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], w["max_new"][i], eos_token_id=w["eos"])
+            for i, n in enumerate(w["prompts"])]
+    cache = PagedKVCache(1, 1, 1, sum(-(-r.max_len // bs) for r in reqs), bs)
+    sched = Scheduler(cache.allocator, w["max_batch_size"] + w["extra_budget"], w["max_batch_size"])
+    for r in reqs:
+        sched.add(r)
+    kw = dict(kv_bucket=w["kv_bucket"], decode_layout=True, row_buckets=w["rows"], decode_bucket=w["decode_bucket"])
+    with get_device("cpu") as dev:
+        slots = [IOSlot(dev, i, 512, 4096, 256, torch.device("cpu")) for i in range(2)]
+        step = 0
+        while sched.has_work():
+            plan = sched.schedule()
+            batch = build_batch(plan, cache, **kw)
+            slot = slots[step % 2]
+            slot.load(batch, [])
+            for name in TENSOR_FIELDS:
+                t = getattr(batch, name)
+                assert torch.equal(slot.host[name][: t.shape[0]], t), name
+            del batch
+            sched.update(plan, [(c.request.rid * 31 + c.end * 7) % VOCAB for c in plan.sampling_chunks])
+            step += 1
