@@ -36,7 +36,7 @@ GPU = dict(models="qwen3-0.6b-shape,llama3-1b-shape,llama3-8b-shape", batches="1
 CPU = dict(models="random-llama,random-qwen3", batches="1,8", contexts="24,48", max_new_tokens=8)
 
 
-def sweep(models, batches, contexts, device, max_new_tokens, out: Path | None = None, max_batch_tokens=8192):
+def sweep(models, batches, contexts, device, max_new_tokens, out: Path | None = None, max_batch_tokens=2048):
     rows = []
     print(f"{'model':18}{'batch':>6}{'ctx':>6}{'async/sync':>11}{'busy sync':>10}{'busy async':>11}"
           f"{'step ms':>9}{'floor ms':>9}{'step/floor':>11}  tokens", flush=True)
@@ -108,6 +108,7 @@ def main():
     p.add_argument("--contexts", help=f"mean decode contexts, comma-separated (default {GPU['contexts']}; "
                                       f"cpu {CPU['contexts']})")
     p.add_argument("--max-new-tokens", type=int, help=f"default {GPU['max_new_tokens']} (cpu {CPU['max_new_tokens']})")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (prefill chunks)")
     p.add_argument("--out", default="out")
     a = p.parse_args()
     import torch
@@ -121,7 +122,7 @@ def main():
         p.error(f"--max-new-tokens must be >= 2 and every context > max_new_tokens / 2, got {new} and {contexts}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = sweep(models, batches, contexts, device, new, out)
+    rows = sweep(models, batches, contexts, device, new, out, a.max_batch_tokens)
     plot(rows, out / "sweep.png")
     print(f"wrote {out / 'sweep.json'} and {out / 'sweep.png'}")
 
