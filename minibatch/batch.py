@@ -37,7 +37,11 @@ from .scheduler import BatchPlan
 
 @dataclass
 class Batch:
-    """The tensors of one forward step. Same class on host and device (see `to`)."""
+    """The tensors of one forward step. Same class on host and device (see `to`).
+
+    A host batch is read-only: in the decode layout its key tensors are views of the table that
+    the next step's batch is built from (decode_keys.py).
+    """
 
     input_ids: torch.Tensor  # [T] token ids; 0 where the token is not known yet (async placeholder)
     positions: torch.Tensor  # [T]
