@@ -208,6 +208,7 @@ def bench_cmd(args) -> None:
         floor = bench.weight_floor_ms(model, args.max_batch_size)
         print(f"weight-streaming floor at batch {args.max_batch_size}: {floor:.2f} ms per step")
         workload["weight_floor_ms"] = floor
+        print("\n".join(bench.floor_report(model, workload, results)))
     if args.out:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
 
@@ -250,7 +251,7 @@ def main(argv=None) -> None:
     b.add_argument("--hf-memory", type=_float(0.0, 1.0, low_open=True), default=None,
                    help="with --hf-all / --hf-modes: fraction of GPU memory for its KV cache (default: its own; "
                         "its async modes have run out of memory at the default on an H200)")
-    b.add_argument("--floor", action="store_true", help="also time the weight-streaming floor per step")
+    b.add_argument("--floor", action="store_true", help="also time the floors: weight streaming, and all bytes (weights + keys/values) per decode step")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
                    help="decode-step attention (attention.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
                         "triton_decode.py, reads the KV cache in place). Decode-layout steps only: CUDA")

@@ -16,14 +16,20 @@ each request's block table) with their `kv_seq` and `kv_pos`; the attention func
 into a mask on the device (attention.py).
 
 Everything here is built on the host (CPU) as int64 tensors, then copied to the device in one go.
+The host builds a batch every step, so the work is vectorized: each request's cells are computed
+once (its block table is fixed at admission), and a step costs a few numpy slices per chunk plus
+copies over the keys, not Python work per key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import functools
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
+from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
 from .requests import Request
 from .scheduler import BatchPlan
@@ -31,7 +37,11 @@ from .scheduler import BatchPlan
 
 @dataclass
 class Batch:
-    """The tensors of one forward step. Same class on host and device (see `to`)."""
+    """The tensors of one forward step. Same class on host and device (see `to`).
+
+    A host batch is read-only: in the decode layout its key tensors are views of the table that
+    the next step's batch is built from (decode_keys.py).
+    """
 
     input_ids: torch.Tensor  # [T] token ids; 0 where the token is not known yet (async placeholder)
     positions: torch.Tensor  # [T]
@@ -49,6 +59,9 @@ class Batch:
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
+    # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
+    # since it last held them (decode_keys.py); None for other batches and on the device
+    key_source: object = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +82,7 @@ class Batch:
 
 #: the host-side layout facts that travel with a batch but are not tensors
 LAYOUT_FIELDS = ("decode_rows", "all_greedy")
-TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS)
+TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
 def needs_placeholder(r: Request, pos: int) -> bool:
@@ -91,7 +104,7 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 
 def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode_layout: bool = False,
                 row_buckets: tuple[int, ...] = (), decode_bucket: int | None = None) -> Batch:
-    """Flatten a plan into host tensors. Cost: O(T) Python work + a few vectorized ops over K.
+    """Flatten a plan into host tensors. Cost: O(chunks) Python work + numpy copies over T and K.
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch cell, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
@@ -106,79 +119,111 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
     graphs (model.py says which sizes we use and why).
     """
-    ids, pos, qseq, cells, logits_idx = [], [], [], [], []
-    samp: list[tuple] = []
-    for i, c in enumerate(plan.chunks):
-        r = c.request
-        ids.extend(input_token(r, p) for p in range(c.start, c.end))
-        pos.extend(range(c.start, c.end))
-        qseq.extend([i] * c.num_tokens)
-        cells.extend(cache.cells(r.blocks, c.start, c.end))
+    chunks = plan.chunks
+    n = len(chunks)
+    bs = cache.block_size
+    # one pass over the chunks; everything else is numpy over whole arrays
+    ids: list[int] = []
+    tables, starts, ends, sample, sampled = [], [], [], [], []
+    for c in chunks:
+        r, start, end = c.request, c.start, c.end
+        kept = r.cell_table
+        fresh = kept is not None and kept[0] is r.blocks and kept[1] == bs and len(kept[2]) == len(r.blocks) * bs
+        table = kept[2] if fresh else _cell_table(r, bs)
+        if end > len(table):
+            raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
+        tables.append(table), starts.append(start), ends.append(end), sample.append(c.sample)
+        prompt = r.prompt
+        if end <= len(prompt):  # (part of) the prompt: all known
+            ids.extend(prompt[start:end])
+        elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
+            k, out = start - len(prompt), r.output
+            ids.append(out[k] if k < len(out) else 0)
+        else:
+            ids.extend(input_token(r, p) for p in range(start, end))
         if c.sample:
-            logits_idx.append(len(ids) - 1)
-            s = r.sampling
-            samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
-
-    ends = [c.end for c in plan.chunks]
-    tables = [c.request.blocks for c in plan.chunks]
-    decode = decode_layout and all(c.num_tokens == 1 and c.sample for c in plan.chunks)
-    if decode:  # pad rows: a dummy token at position 0 that writes and reads only the scratch cell
-        for i in range(len(plan.chunks), bucket(len(plan.chunks), row_buckets)):
-            ids.append(0), pos.append(0), qseq.append(i), cells.append(cache.scratch_cell)
-            logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0))
-            ends.append(1), tables.append([cache.scratch_cell // cache.block_size])
-    kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, (decode_bucket or kv_bucket) if decode else kv_bucket,
-                                           decode)
-    temp, topk, topp, seed, counter = zip(*samp) if samp else ((), (), (), (), ())
-    i64 = torch.int64
+            sampled.append(r)
+    starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
+    counts = ends - starts
+    temp = [r.sampling.temperature for r in sampled]
+    samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
+            [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
+    decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
+    rows = bucket(n, row_buckets) if decode else n
+    pad = rows - n  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
+    if pad:
+        scratch = cache.scratch_cell
+        tables += [_scratch_table(scratch)] * pad
+        starts, ends, counts = (np.concatenate([a, np.full(pad, v, np.int64)]) for a, v in
+                                ((starts, 0), (ends, 1), (counts, 1)))
+        sample = np.concatenate([sample, np.ones(pad, bool)])
+        ids += [0] * pad
+        temp += [0.0] * pad
+        for column, v in zip(samp, (0, 1.0, 0, 0)):
+            column += [v] * pad
+    first = np.cumsum(counts) - counts  # index of each chunk's first token
+    q_seq = np.repeat(np.arange(rows), counts)
+    positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
+    if decode:
+        cell_mapping = np.fromiter((t[s] for t, s in zip(tables, starts.tolist())), np.int64, rows)
+    else:
+        cell_mapping = np.concatenate([t[s:e] for t, s, e in zip(tables, starts.tolist(), ends.tolist())] or [_EMPTY])
+    source = None
+    if decode:
+        (kv_indices, kv_seq, kv_pos), source = decode_keys(cache, ends, tables, decode_bucket or kv_bucket)
+    else:
+        kv_indices, kv_seq, kv_pos = _flat_keys(ends, tables, cache.scratch_cell, kv_bucket)
+    t = torch.from_numpy
     return Batch(
-        input_ids=torch.tensor(ids, dtype=i64),
-        positions=torch.tensor(pos, dtype=i64),
-        q_seq=torch.tensor(qseq, dtype=i64),
-        cell_mapping=torch.tensor(cells, dtype=i64),
-        kv_indices=kv_indices,
-        kv_seq=kv_seq,
-        kv_pos=kv_pos,
-        logits_indices=torch.tensor(logits_idx, dtype=i64),
-        temperature=torch.tensor(temp, dtype=torch.float32),
-        top_k=torch.tensor(topk, dtype=i64),
-        top_p=torch.tensor(topp, dtype=torch.float32),
-        seed=torch.tensor(seed, dtype=i64),
-        counter=torch.tensor(counter, dtype=i64),
-        decode_rows=len(ends) if decode else 0,
-        all_greedy=bool(temp) and all(t == 0 for t in temp),
+        input_ids=t(np.array(ids, np.int64)),
+        positions=t(positions),
+        q_seq=t(q_seq),
+        cell_mapping=t(cell_mapping),
+        kv_indices=t(kv_indices),
+        kv_seq=t(kv_seq),
+        kv_pos=t(kv_pos),
+        logits_indices=t((first + counts - 1)[sample]),  # the last token of each sampling chunk
+        temperature=t(np.array(temp, np.float32)),
+        top_k=t(np.array(samp[0], np.int64)),
+        top_p=t(np.array(samp[1], np.float32)),
+        seed=t(np.array(samp[2], np.int64)),
+        counter=t(np.array(samp[3], np.int64)),
+        decode_rows=rows if decode else 0,
+        all_greedy=bool(temp) and not any(temp),
+        key_source=source,
     )
 
 
-def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_bucket: int, decode: bool):
-    """Cache cells to read for each chunk: every token 0..end-1 of its request, via its block table.
+_EMPTY = np.zeros(0, np.int64)
 
-    Flat layout: all chunks' keys end to end, padded at the end to a multiple of kv_bucket.
-    Decode layout: one row of L = round_up(max(ends), kv_bucket) per chunk, each padded.
-    Padding entries point at the scratch cell with kv_seq = -1, so no query attends to them.
+
+@functools.lru_cache(maxsize=8)
+def _scratch_table(scratch: int) -> np.ndarray:
+    """The cell table of a padding row: its one token lives in the scratch cell."""
+    return np.full(1, scratch, np.int64)
+
+
+def _cell_table(r: Request, block_size: int) -> np.ndarray:
+    """Cell of every position r's block table covers: block_table[t // bs] * bs + t % bs for all t.
+
+    Computed once per request and kept on it (`Request.cell_table`, with the block list it was made
+    from): the block table is fixed from admission on (kv_cache.py), so a new list means new blocks.
     """
+    blocks = np.asarray(r.blocks, dtype=np.int64)
+    cells = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    r.cell_table = (r.blocks, block_size, cells)
+    return cells
+
+
+def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_bucket: int):
+    """All chunks' keys end to end (chunk i reads its request's tokens 0..ends[i]-1), padded at the end
+    to a multiple of kv_bucket with the scratch cell and kv_seq = -1, so no query attends to padding."""
     n = len(ends)
-    ends_t = torch.tensor(ends, dtype=torch.int64)
-    table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.int64)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t)
-    bs = cache.block_size
-    if decode:
-        width = -(-max(ends) // kv_bucket) * kv_bucket
-        kv_pos = torch.arange(width).repeat(n, 1)  # [n, L]
-        valid = kv_pos < ends_t[:, None]
-        rows = torch.arange(n)[:, None].expand(n, width)
-        cells = table[rows, (kv_pos // bs).clamp(max=table.shape[1] - 1)] * bs + kv_pos % bs
-        kv_indices = torch.where(valid, cells, cache.scratch_cell).flatten()
-        kv_seq = torch.where(valid, rows, -1).flatten()
-        return kv_indices, kv_seq, torch.where(valid, kv_pos, 0).flatten()
-    kv_seq = torch.repeat_interleave(torch.arange(n), ends_t)
-    starts = torch.cumsum(ends_t, 0) - ends_t
-    kv_pos = torch.arange(int(ends_t.sum())) - torch.repeat_interleave(starts, ends_t)
-    kv_indices = table[kv_seq, kv_pos // bs] * bs + kv_pos % bs
-    pad = -len(kv_indices) % kv_bucket
-    if pad:
-        kv_indices = torch.cat([kv_indices, torch.full((pad,), cache.scratch_cell)])
-        kv_seq = torch.cat([kv_seq, torch.full((pad,), -1)])
-        kv_pos = torch.cat([kv_pos, torch.zeros(pad, dtype=torch.int64)])
+    total = int(ends.sum())
+    pad = -total % kv_bucket
+    ends_l = ends.tolist()
+    kv_indices = np.concatenate([t[:e] for t, e in zip(tables, ends_l)] + [np.full(pad, scratch, np.int64)])
+    kv_seq = np.concatenate([np.repeat(np.arange(n), ends), np.full(pad, -1, np.int64)])
+    longest = np.arange(max(ends_l, default=0))
+    kv_pos = np.concatenate([longest[:e] for e in ends_l] + [np.zeros(pad, np.int64)])
     return kv_indices, kv_seq, kv_pos

@@ -28,6 +28,7 @@ import torch
 from dataclasses import dataclass
 
 from .batch import TENSOR_FIELDS, Batch
+from .decode_keys import FIELDS as KEY_FIELDS
 from .device_base import Device
 
 INT_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "kv_indices", "kv_seq", "kv_pos",
@@ -67,18 +68,23 @@ class IOSlot:
         self.out_dev = device_buffer(max_rows, torch.int64)
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
+        self.keys_held = None  # the decode_keys.KeySource whose keys the host buffers hold, if any
         self.layout: dict = {}  # the loaded batch's Batch.layout()
 
     def load(self, batch: Batch, carry: list[int]) -> None:
         """Write a host batch into this slot's host buffers (the host must own the slot: see module doc)."""
+        source = batch.key_source  # decode layout: the keys are copied by what changed (decode_keys.py)
+        held, self.keys_held = self.keys_held, None  # (None while the buffers are half written)
         for name in TENSOR_FIELDS:
             t = getattr(batch, name)
             buf = self.host[name]
             if t.shape[0] > buf.shape[0]:
                 cap = EXTENT.get(name, "R")
                 raise ValueError(f"batch field {name} needs {t.shape[0]} entries, slot capacity {cap}={buf.shape[0]}")
-            buf[: t.shape[0]].copy_(t)
+            if source is None or name not in KEY_FIELDS:
+                buf[: t.shape[0]].copy_(t)
             self.sizes[name] = t.shape[0]
+        self.keys_held = source.load_into(self.host, held, batch) if source is not None else None
         # the whole mask travels, -1 past the previous batch's rows: fixed size, as a CUDA graph needs
         self.host["carry"].fill_(-1)
         self.host["carry"][: len(carry)] = torch.tensor(carry, dtype=torch.int64)

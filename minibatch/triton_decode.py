@@ -1,8 +1,8 @@
 """Decode attention that reads the paged KV cache in place: a small Triton kernel (notebook 07).
 
 Status: opt-in (`model.decode_attention = "triton"`), checked for correctness on the CPU with
-Triton's interpreter (tests/test_paged_kernel.py, skipped where Triton is not installed); not yet
-timed on a GPU (BENCHMARKS.md says what it is meant to save).
+Triton's interpreter (tests/test_paged_kernel.py, skipped where Triton is not installed); timed
+against the gather + SDPA path by scripts/gpu/decode_attention_ab.py (BENCHMARKS.md).
 
 Why: the default decode attention (attention.py) first copies every row's keys and values out of the
 cache (`index_select`) into a contiguous [rows, L] table, then runs SDPA over the copy. On the H200
@@ -20,8 +20,17 @@ through the block table instead. This kernel does the same, simply:
             online softmax: keep a running max m, a running sum l and the weighted sum of v
         out = acc / l
 
-It is the FlashAttention recurrence over one query token (with its G heads as G rows of the tile),
-no split over the keys: 256 programs at 32 rows x 8 heads, enough to keep an H200's memory busy.
+It is the FlashAttention recurrence over one query token (with its G heads as G rows of the tile).
+One program per (row, head) leaves most of the GPU idle when rows x kv_heads is small (1 row x 8
+heads = 8 programs on a 132-SM H200) or each program has a long context to walk alone. Then the keys
+are split ("split-K", as in flash-decoding): `splits` programs per (row, head), each over its own
+range of keys, each leaving a partial result (its max m, its sum l, its unnormalized acc); a second
+small kernel combines them:
+
+    M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
+
+`num_splits` picks the split count: enough programs to give every SM two, never a split shorter
+than one BLOCK_N chunk of keys.
 """
 
 from __future__ import annotations
@@ -45,11 +54,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
-                       sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, scale,
+                       m_ptr, l_ptr, acc_ptr,
+                       sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                       WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
+        lo = split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, L)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         gmask = offs_g[:, None] < G
@@ -59,9 +72,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for start in range(0, L, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            nmask = offs_n < L
+            nmask = offs_n < hi
             slot = tl.load(kvi_ptr + r * L + offs_n, mask=nmask, other=0)
             seq = tl.load(kvs_ptr + r * L + offs_n, mask=nmask, other=-1)
             k_pos = tl.load(kvp_ptr + r * L + offs_n, mask=nmask, other=0)
@@ -86,14 +99,50 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gmask)
+        if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
+            n_split = tl.num_programs(2)
+            at = (r * tl.num_programs(1) * G + heads) * n_split + split
+            tl.store(m_ptr + at, m_i, mask=offs_g < G)
+            tl.store(l_ptr + at, l_i, mask=offs_g < G)
+            tl.store(acc_ptr + at[:, None] * D + offs_d[None, :], acc, mask=gmask)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=gmask)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, H, S: tl.constexpr, BLOCK_S: tl.constexpr,
+                        D: tl.constexpr):
+        """One program per (row, query head): rescale the splits' partials to a common max and add."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < S
+        at = (r * H + h) * S + offs_s
+        m = tl.load(m_ptr + at, mask=smask, other=float("-inf"))
+        l = tl.load(l_ptr + at, mask=smask, other=0.0)
+        acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # a split that saw no visible key adds 0
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + r * so_r + h * so_h + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def num_splits(rows: int, kv_heads: int, width: int, device: torch.device) -> int:
+    """How many programs share one (row, kv head)'s keys: enough for two programs per SM, each
+    over at least one BLOCK_N chunk of keys."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    want = -(-2 * sms // (rows * kv_heads))
+    return max(1, min(want, -(-width // BLOCK_N), 64))
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, window,
-                     scaling) -> torch.Tensor:
-    """query [1, H, R, D] (after RoPE); caches [slots, KVH, D] (new keys already written) -> [1, R, H, D]."""
+                     scaling, splits: int | None = None) -> torch.Tensor:
+    """query [1, H, R, D] (after RoPE); caches [slots, KVH, D] (new keys already written) -> [1, R, H, D].
+
+    `splits`: programs per (row, kv head) over the keys (None: `num_splits` decides; 1: no split).
+    """
     if triton is None:
         raise RuntimeError('decode_attention="triton" needs the triton package (it comes with the CUDA '
                            "builds of PyTorch)")
@@ -107,11 +156,22 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q = q.contiguous()
     out = torch.empty(rows, heads, dim, device=query.device, dtype=query.dtype)
     width = batch.kv_indices.shape[0] // rows
-    _decode_kernel[(rows, kv_heads)](
-        q, k_cache, v_cache, out, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions,
+    if splits is None:
+        splits = num_splits(rows, kv_heads, width, query.device)
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
+    keys_per_split = -(-width // splits // BLOCK_N) * BLOCK_N if splits > 1 else width  # whole chunks
+    splits = -(-width // keys_per_split) if splits > 1 else 1  # none left empty
+    partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
+               for n in (1, 1, dim)] if splits > 1 else [out, out, out]  # m, l, acc (unused without a split)
+    _decode_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, out, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, *partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), width, float(scaling or dim**-0.5),
+        out.stride(0), out.stride(1), width, keys_per_split, float(scaling or dim**-0.5),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=BLOCK_N,
-        WINDOW=int(window or 0), IEEE=query.dtype == torch.float32,
+        WINDOW=int(window or 0), IEEE=query.dtype == torch.float32, SPLIT=splits > 1,
     )
+    if splits > 1:
+        _combine_kernel[(rows, heads)](*partial, out, out.stride(0), out.stride(1), heads, S=splits,
+                                       BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim)
     return out[None]

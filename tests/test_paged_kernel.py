@@ -39,7 +39,7 @@ def _decode_batch(ctx_lens, block_size=4, bucket=8):
     torch.manual_seed(0)
     kv_heads, dim = 2, 16
     from minibatch.kv_cache import PagedKVCache
-    cache = PagedKVCache(1, kv_heads, dim, 64, block_size, device=DEVICE, dtype=torch.float32)
+    cache = PagedKVCache(1, kv_heads, dim, 256, block_size, device=DEVICE, dtype=torch.float32)
     sched = Scheduler(cache.allocator, 512, 8)
     for i, n in enumerate(ctx_lens):
         sched.add(Request(i, [1] * n, 4))
@@ -50,16 +50,30 @@ def _decode_batch(ctx_lens, block_size=4, bucket=8):
     return cache, batch
 
 
-@pytest.mark.parametrize("ctx_lens,window", [([5, 11, 3], None), ([17, 2, 9, 30, 1], None), ([20, 13], 6)])
-def test_kernel_matches_the_einsum_reference(ctx_lens, window):
+@pytest.mark.parametrize("ctx_lens,window,splits", [
+    ([5, 11, 3], None, None), ([17, 2, 9, 30, 1], None, None), ([20, 13], 6, None),
+    ([150, 7, 260], None, 3), ([150, 7, 260], None, 2), ([300], 40, 5), ([70, 200], None, None)])
+def test_kernel_matches_the_einsum_reference(ctx_lens, window, splits):
+    """With and without a split over the keys; a split range may hold no visible key (window, short rows)."""
     cache, batch = _decode_batch(ctx_lens)
     rows, heads, dim = batch.decode_rows, 4, 16
     query = torch.randn(1, heads, rows, dim, device=DEVICE)
     ref = _decode_attention(query, cache.keys[0].index_select(0, batch.kv_indices),
                             cache.values[0].index_select(0, batch.kv_indices), PagedMeta(cache, batch), window, None)
-    got = triton_decode.decode_attention(query, cache.keys[0], cache.values[0], batch, window, None)
+    got = triton_decode.decode_attention(query, cache.keys[0], cache.values[0], batch, window, None, splits)
     assert got.shape == ref.shape == (1, rows, heads, dim)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count():
+    cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
+    assert triton_decode.num_splits(128, 8, 2048, cpu) == 1  # 1024 programs already
+    assert triton_decode.num_splits(1, 8, 2048, cpu) == 32  # 8 programs: split to fill the SMs
+    assert triton_decode.num_splits(1, 8, 128, cpu) == 2  # but never below one chunk of keys
+    with pytest.raises(ValueError, match="splits must be"):
+        cache, batch = _decode_batch([5])
+        triton_decode.decode_attention(torch.zeros(1, 4, batch.decode_rows, 16), cache.keys[0], cache.values[0],
+                                       batch, None, None, 0)
 
 
 def test_generate_with_the_kernel_gives_the_same_tokens(work, monkeypatch):

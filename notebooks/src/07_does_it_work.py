@@ -361,3 +361,70 @@ busy_fraction = None  # replace with your function
 import exercises
 
 exercises.check_07(busy_fraction)
+
+# %% [markdown]
+# ## 9. When the host is slower than the device
+#
+# Overlap hides the host's work behind the device's; it cannot make it shorter. With perfect overlap a
+# step of the asynchronous loop takes max(host, device): if preparing and updating a step takes the
+# host longer than the device needs to run it, the device waits for its next batch every step.
+#
+#     host    ████████ prepare N+1 ████████ ████████ prepare N+2 ████████
+#     device  ███ step N ███ ····idle······ ███ step N+1 ███ ····idle······
+#
+#     device busy <= device / max(host, device)
+#
+# This is the case the recorded sweep shows for the small shapes: a 1B-shaped decode step is a few
+# milliseconds on the H200, and at large batches the host's work per step came close to it, so the
+# async loop's busy fraction stayed below 99% there. The host's share grows with the batch: every
+# running request is planned, its inputs and keys laid out, its token handed back, every step. Here
+# is that work alone, without a model (the scheduler, `build_batch` and `update` for decoding
+# requests with 256 tokens of context), for growing batches:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minibatch.batch import build_batch
+from minibatch.kv_cache import PagedKVCache
+from minibatch.requests import Request
+from minibatch.scheduler import Scheduler
+
+
+def host_ms_per_step(rows: int, context: int = 256, steps: int = 20) -> float:
+    """Median ms of one decode step's host work (plan, build, update) for `rows` decoding requests."""
+    cache = PagedKVCache(1, 1, 1, rows * -(-(context + steps + 2) // 16), 16)  # storage is irrelevant here
+    sched = Scheduler(cache.allocator, rows * context, rows)
+    for i in range(rows):
+        sched.add(Request(i, [1] * context, steps + 2))
+    sched.update(sched.schedule(), [1] * rows)  # every prompt in one step
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        build_batch(plan, cache)
+        sched.update(plan, [1] * rows)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[steps // 2] * 1e3
+
+
+host_ms = {rows: host_ms_per_step(rows) for rows in (1, 8, 32, 128)}
+for rows, ms in host_ms.items():
+    print(f"batch {rows:>3}: host work per step {ms / host_ms[1]:5.1f}x that of batch 1")
+
+# %% [markdown]
+# What that means for the device, for a device step of 4 ms and a host that needs 1 to 8 ms per
+# step (the formula above, with perfect overlap):
+
+# %%
+device_ms = 4.0
+for h in (1.0, 2.0, 4.0, 6.0, 8.0):
+    step = max(h, device_ms)
+    print(f"host {h:.0f} ms, device {device_ms:.0f} ms: async step {step:.0f} ms, device busy at most {device_ms / step:.0%}")
+
+# %% [markdown]
+# Below the crossing, shaving host time gains nothing; above it, every host millisecond is a device
+# millisecond lost. The remedies attack the host's work per step, not the overlap: build each batch
+# from what changed since the last one (a decode step moves each request by one token: `batch.py`
+# updates its key table by one cell per row instead of rebuilding it), keep per-request facts (the
+# cells of its block table) instead of recomputing them, and vectorize what would be Python per row.
+# `scripts/host_cost.py` times each part of the host's step; BENCHMARKS.md ("Host cost per step") has
+# its numbers.

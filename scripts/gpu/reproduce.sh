@@ -10,14 +10,17 @@
 #   eager      the same workload without CUDA graphs (every step eager)
 #   arrivals   the same workload with requests arriving over the first 128 steps (prefill steps all along)
 #   compile    sync and async with torch.compile'd decode steps
-#   kernels    decode-step variants against the floor (step_ab.py)
+#   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
+#              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py)
+#   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
-#   sweep      model shape x batch size x context, sync against async (scripts/sweep.py)
-# Needs: a CUDA GPU with ~80 GB free, torch, transformers, matplotlib; about 25 minutes for everything.
+#   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
+#   host       the host's work per decode step on this machine's CPU (scripts/host_cost.py)
+# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 35 minutes for everything.
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile kernels profile sweep}
+sections=${*:-tests headline eager arrivals compile kernels triton profile sweep host}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -38,11 +41,17 @@ for s in $sections; do
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     compile) python3 -m minibatch bench "${eightb[@]}" --modes sync+compile,async+compile --floor \
                --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
-    kernels) python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
+    kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
+             tail -20 "$out/$s/attention_ab.log"
+             python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
+    triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
+              --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
              tail -6 "$out/$s/profile.log" ;;
     sweep) python3 scripts/sweep.py --device cuda --out "$out/$s" > "$out/$s/sweep.log" 2>&1
-           tail -16 "$out/$s/sweep.log" ;;
+           tail -26 "$out/$s/sweep.log" ;;
+    host) python3 scripts/host_cost.py "$out/$s" --rows 32,128 --context 1024 > "$out/$s/host.log" 2>&1
+          tail -12 "$out/$s/host.log" ;;
     *) echo "unknown section $s" >&2; exit 2 ;;
   esac
 done
