@@ -78,9 +78,15 @@ class Model:
         # padded key is gathered and attended to, so a finer bucket reads less; it costs one more CUDA
         # graph per bucket of context (BENCHMARKS.md compares 64 with 256).
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
-        # decode-layout attention: "sdpa" (one fused kernel), "einsum" (the readable version) or
-        # "triton" (reads the paged cache in place: triton_decode.py)
-        self.decode_attention = "sdpa" if cuda else "einsum"
+        # decode-layout attention: "triton" (reads the paged cache in place: triton_decode.py), "sdpa"
+        # (gathers each row's keys, then one fused kernel) or "einsum" (the readable version). On a GPU
+        # the Triton kernel is the default where Triton is installed: it was faster than the gather +
+        # SDPA at every batch and context measured (BENCHMARKS.md)
+        self.decode_attention = "einsum"
+        if cuda:
+            from . import triton_decode
+            fits = self.head_dim & (self.head_dim - 1) == 0  # the kernel tiles head_dim by powers of two
+            self.decode_attention = "triton" if triton_decode.available() and fits else "sdpa"
         # transformers builds an attention mask before the layers run; for our attention name it would
         # look for packed sequences in position_ids (a `.all()` in a Python `if`: a host sync on a GPU)
         # and build a [T, T] mask that paged_attention never reads. A mask that is already 4-D is

@@ -1,14 +1,13 @@
 """Decode attention that reads the paged KV cache in place: a small Triton kernel (notebook 07).
 
-Status: opt-in (`model.decode_attention = "triton"`), checked for correctness on the CPU with
-Triton's interpreter (tests/test_paged_kernel.py, skipped where Triton is not installed); timed
-against the gather + SDPA path by scripts/gpu/decode_attention_ab.py (BENCHMARKS.md).
+Status: the decode attention on a GPU where Triton is installed (`Model.decode_attention`); checked
+against the einsum reference on the GPU (float32 and bf16) and on the CPU with Triton's interpreter
+(tests/test_paged_kernel.py, skipped where Triton is not installed); timed against the gather + SDPA
+path by scripts/gpu/decode_attention_ab.py (BENCHMARKS.md).
 
-Why: the default decode attention (attention.py) first copies every row's keys and values out of the
-cache (`index_select`) into a contiguous [rows, L] table, then runs SDPA over the copy. On the H200
-at 32 rows x 512 keys that copy cost ~1.0 ms per 8B step (eager kernel table of a 10.2 ms step; the
-compiled step still makes it): every byte is read,
-written, and read again. Production engines (vLLM's paged attention, FlashInfer) read the cache
+Why: the SDPA decode attention (attention.py) first copies every row's keys and values out of the
+cache (`index_select`) into a contiguous [rows, L] table, then runs SDPA over the copy: every byte
+is read, written, and read again. Production engines (vLLM's paged attention, FlashInfer) read the cache
 through the block table instead. This kernel does the same, simply:
 
     one program per (row, key/value head):

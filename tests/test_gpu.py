@@ -28,14 +28,20 @@ def test_graphs_same_tokens_as_eager_float32():
             == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
 
 
-def test_sdpa_and_einsum_decode_attention_agree_float32():
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_decode_attentions_agree_with_the_einsum_reference_float32(attention):
+    from minibatch import triton_decode
+
+    if attention == "triton" and not triton_decode.available():
+        pytest.skip("needs triton")
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    assert model.decode_attention == ("triton" if triton_decode.available() else "sdpa")  # the GPU default
     work = prompts(12, model.vocab_size, seed=3)
     kw = dict(max_new_tokens=20, max_batch_size=8, max_batch_tokens=64)
-    assert model.decode_attention == "sdpa"  # the GPU default
-    fused = minibatch.generate(model, work, mode="async", **kw)
+    model.decode_attention = attention
+    fast = minibatch.generate(model, work, mode="async", **kw)
     model.decode_attention = "einsum"
-    assert minibatch.generate(model, work, mode="async", **kw) == fused
+    assert minibatch.generate(model, work, mode="async", **kw) == fast
 
 
 def test_compiled_decode_steps_give_the_same_tokens():
