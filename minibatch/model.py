@@ -99,7 +99,7 @@ class Model:
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
                             device=self.device, dtype=self.dtype, alloc=alloc)
 
-    def _forward(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+    def _forward(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
         """One forward pass over a device batch -> [R, vocab] logits of the sampling positions."""
         out = self.hf(
             input_ids=batch.input_ids[None],
@@ -107,13 +107,14 @@ class Model:
             attention_mask=self._mask_stand_in,
             logits_to_keep=batch.logits_indices,
             use_cache=False,
-            minibatch=PagedMeta(cache, batch, self.decode_attention),
+            minibatch=PagedMeta(cache, batch, decode_attention or self.decode_attention),
         )
         return out.logits[0]
 
-    def forward_sample(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
-        """Forward + sample -> [R] int64 next tokens (what `step` runs; what a compiled step compiles)."""
-        logits = self._forward(batch, cache)
+    def forward_sample(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
+        """Forward + sample -> [R] int64 next tokens (what `step` runs; what a compiled step compiles).
+        `decode_attention` overrides the model's for this call."""
+        logits = self._forward(batch, cache, decode_attention)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
             return logits.float().argmax(dim=-1)
         return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)

@@ -66,11 +66,14 @@ class CompiledStep:
     kernels that served a shape depended on the order shapes came up in, and sync and async runs
     (which see shapes in different orders) gave different bf16 tokens. To keep shapes few, compiled
     runs pad decode rows to kv_bucket keys (StepRunner.build). bf16 tokens may differ from the eager
-    step's (other kernels round differently): compare compiled runs with compiled runs.
+    step's (other kernels round differently): compare compiled runs with compiled runs. The Triton
+    decode attention is not compiled: Inductor re-specializes its launch and promotes the kernel's
+    float arguments to float64, which the kernel's loop rejects; compiled steps use SDPA instead.
     """
 
     def __init__(self, model) -> None:
         self.model = model
+        self.attention = "sdpa" if model.decode_attention == "triton" else model.decode_attention
         self.shapes: set[tuple] = set()
         self._fn = None
 
@@ -89,7 +92,7 @@ class CompiledStep:
                     setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
             self._fn = torch.compile(self.model.forward_sample, dynamic=False)
         with torch.inference_mode():
-            return self._fn(batch, cache)
+            return self._fn(batch, cache, self.attention)
 
 
 def forward_step(model, cache, args: StepArgs, compiled: CompiledStep | None = None) -> None:
