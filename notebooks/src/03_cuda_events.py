@@ -15,6 +15,7 @@
 # work *across* streams.
 
 # %%
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,10 @@ from minibatch.device import get_device
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 
@@ -212,7 +217,7 @@ for ax, with_events, title in ((axes[0], False, "without events (notebook 02): e
     mark_work(ax, tl)
 axes[0].set_xlabel("")
 fig.tight_layout()
-fig.savefig("../figures/03_pipeline_with_events_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_pipeline_with_events_cpu.png", dpi=110)
 
 # %% [markdown]
 # With events, compute could have started at 0.2 s but held until the copy landed at 0.3 s, and
@@ -270,7 +275,7 @@ print("wall time shorter than host work + device work:", tl.wall < prep.duration
 fig, ax = plt.subplots(figsize=(9, 2.4))
 tl.plot(ax=ax, title="the host prepares the next batch while the device computes")
 fig.tight_layout()
-fig.savefig("../figures/03_host_free_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_host_free_cpu.png", dpi=110)
 
 # %% [markdown]
 # The host's `wait` is only the part of the forward pass that its own work did not cover. On a
@@ -315,7 +320,7 @@ fig, ax = plt.subplots(figsize=(9, 2.4))
 start = host[("prepare", 10)].start
 tl_sync.plot(ax=ax, start=start, end=host[("update", 14)].end, title="sync loop, tiny model on this CPU: steps 10 to 14")
 fig.tight_layout()
-fig.savefig("../figures/03_sync_loop_waits_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 
 # %% [markdown]
 # Each step reads the same from left to right: prepare (blue), H2D, compute, D2H on the device
@@ -365,7 +370,7 @@ for n in range(100, 104):
                     arrowprops=dict(arrowstyle="<->", color="black", linewidth=0.8))
         ax.text((gap_start + gap_end) / 2, row + 0.55, "idle", ha="center", fontsize=7)
 fig.tight_layout()
-fig.savefig("../figures/03_sync_timeline_gpu_graphs.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 
 # %% [markdown]
 # A decode step's compute takes 16.2 ms of GPU time, but a new one starts only every 19.7 ms: for

@@ -9,6 +9,7 @@
 
 # %%
 import json
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -20,6 +21,10 @@ from minibatch.graphs import ROW_BUCKETS, StepRunner
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 
@@ -103,7 +108,7 @@ fig, ax = plt.subplots(figsize=(10, 2.6))
 start = [s for s in tl_bad.spans if s.name == "prepare" and s.step == 4][0].start
 tl_bad.plot(ax=ax, start=start, end=start + 0.25, title="one slot, H2D delayed 30 ms: prepare overwrites the slot")
 fig.tight_layout()
-fig.savefig("../figures/04_one_slot_race_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/04_one_slot_race_cpu.png", dpi=110)
 
 # %% [markdown]
 # Two slots, same delay: batch N+1 goes into the other slot, and the host comes back to a slot only
@@ -189,7 +194,7 @@ ax.bar(["slot A", "slot B\n(shared pool)", "slot B\n(own pool)"],
 ax.set_ylabel("MiB added by the capture")
 ax.set_title("two slots' graphs in one pool cost about one")
 fig.tight_layout()
-fig.savefig("../figures/04_graph_pool_memory_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/04_graph_pool_memory_gpu.png", dpi=110)
 
 # %% [markdown]
 # ## Summary

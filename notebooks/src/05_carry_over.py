@@ -14,6 +14,8 @@
 # *data transmission* hazard: batch N+1 needs tokens that batch N is still computing.
 
 # %%
+import os
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -23,6 +25,10 @@ from minibatch.requests import Request, RequestState, SamplingParams
 from minibatch.scheduler import Scheduler
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 torch.set_num_threads(1)  # the tiny model gains nothing from more; on a busy 2-core machine two threads stall
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
@@ -211,7 +217,7 @@ fig, ax = plt.subplots(figsize=(9, 3.2))
 draw_carry_over(plan_n, plan_next, out_n.tolist(), mask, batch_next.input_ids.tolist(), patched_next.tolist(), ax)
 ax.set_title(f"carry-over from step {plan_n.step} to step {plan_next.step} (colour = request)")
 fig.tight_layout()
-fig.savefig("../figures/05_carry_over_mask.png", dpi=110)
+fig.savefig(f"{FIGURES}/05_carry_over_mask.png", dpi=110)
 
 # %% [markdown]
 # ## 5. What goes wrong without carry-over

@@ -14,6 +14,7 @@ import glob
 import io
 import time
 from functools import partial
+import os
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -32,6 +33,10 @@ from minibatch.slots import IOSlot, forward_step, launch_step
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 EOS = tok.eos_token_id
@@ -230,7 +235,7 @@ for ax, (mode, tl) in zip(axes, timelines.items()):
 axes[1].set_xlabel("time (s)")
 fig.legend(handles=LEGEND, loc="upper right", ncol=4, fontsize=8, frameon=False)
 fig.tight_layout(rect=(0, 0, 1, 0.95))
-fig.savefig("../figures/06_sync_vs_async_timeline_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_cpu.png", dpi=110)
 
 # %% [markdown]
 # (The figure stored with this notebook was drawn on a 2-core CPU; yours will differ in the
@@ -380,7 +385,7 @@ for path in recordings:
     axes[-1, 0].set_xlabel("time (s)")
     fig.legend(handles=LEGEND, loc="upper right", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(f"../figures/06_sync_vs_async_timeline_gpu_{name}.png", dpi=110)
+    fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_gpu_{name}.png", dpi=110)
 
 # %% [markdown]
 # With CUDA graphs we find the article's result: the GPU goes from about 80% busy to all but 100%,

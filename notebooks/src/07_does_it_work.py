@@ -12,6 +12,7 @@
 
 # %%
 import json
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -22,6 +23,10 @@ from minibatch import bench
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 DATA = "../figures/data/"
 
 # %% [markdown]
@@ -104,7 +109,7 @@ for ax, (mode, tl) in zip(axes, timelines.items()):
 axes[1].set_xlabel("time since start (s), 50 ms windows")
 fig.suptitle("8B shape, batch 32, 256 new tokens, H200 (CUDA graphs)")
 fig.tight_layout()
-fig.savefig("../figures/07_busy_over_time_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_busy_over_time_gpu.png", dpi=110)
 
 # %% [markdown]
 # The sync plot sits near 0.8 for the whole decode phase: every step the GPU waits about 2.5 ms while
@@ -147,7 +152,7 @@ for i, (_, ms) in enumerate(steps_ab[::-1]):
 ax.set_xlim(0, 19)
 ax.set_xlabel("decode step, ms (H200, 8B shape, 32 rows)")
 fig.tight_layout()
-fig.savefig("../figures/07_decode_step_variants_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_decode_step_variants_gpu.png", dpi=110)
 for n, ms in steps_ab:
     print(f"{n:36} {ms:6.2f} ms  {ms / floor_ab:.2f}x floor")
 
@@ -213,7 +218,7 @@ for ax in (ax1, ax2):
 ax1.legend(fontsize=7)
 ax2.legend(fontsize=6, ncol=2)
 fig.tight_layout()
-fig.savefig("../figures/07_sweep_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
     print(f"{r['model']:17} batch {r['batch']:3}: ratio {r['wall_ratio']:.2f}, busy "
           f"{r['sync']['device_busy']:.0%} -> {r['async']['device_busy']:.0%}")
