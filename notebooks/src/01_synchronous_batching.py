@@ -247,14 +247,16 @@ fig.savefig(f"{FIGURES}/01_sync_timeline_gpu.png", dpi=110)
 #
 # ## Exercise
 #
-# Write `tokens_per_step(plans)` that takes a list of `BatchPlan`s and returns how many tokens each
-# step processed (prefill chunks and decode tokens together). Use the plan's `chunks`, each with
-# `start` and `end`.
+# Write `ragged_layout(plan)` that returns two lists for one step's `BatchPlan`: the `positions` of
+# every token of the flat batch, and the `logits_indices`, the places in the flat batch of the tokens
+# whose logits produce a new token (section 5 printed both for one plan). Use only `plan.chunks`,
+# each with `start`, `end` and `sample`. The check compares your lists with `build_batch`'s on every
+# step of a run with chunked prefills and decodes.
 
 # %%
-tokens_per_step = None  # replace with your function
+ragged_layout = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_01(tokens_per_step)
+exercises.check_01(globals().get("ragged_layout"))

@@ -447,4 +447,4 @@ max_concurrency = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_02(max_concurrency)
+exercises.check_02(globals().get("max_concurrency"))

@@ -419,4 +419,4 @@ pipeline = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_03(pipeline)
+exercises.check_03(globals().get("pipeline"))

@@ -208,15 +208,17 @@ fig.savefig(f"{FIGURES}/04_graph_pool_memory_gpu.png", dpi=110)
 #
 # ## Exercise
 #
-# Write `graph_shape(rows, longest_context, kv_bucket)` returning the `(rows, keys per row)` of the
-# CUDA graph a decode step would replay: rows padded with `bucket(rows, ROW_BUCKETS)`, keys per row
-# rounded up to a multiple of `kv_bucket` (a row holds `longest_context + 1` keys: the context and the
-# new token).
+# A server runs decode steps one after the other, from slot A, slot B, slot A, ... Write
+# `count_graphs(steps, kv_bucket)` that returns how many CUDA graphs a run captures, where `steps`
+# lists each decode step's `(rows, longest_context)` in order. A graph is captured the first time
+# its slot meets a shape, and replayed after that; the shape is the rows padded with
+# `bucket(rows, ROW_BUCKETS)` and the keys per row (context plus the new token) rounded up to a
+# multiple of `kv_bucket`.
 
 # %%
-graph_shape = None  # replace with your function
+count_graphs = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_04(graph_shape)
+exercises.check_04(globals().get("count_graphs"))

@@ -432,4 +432,4 @@ compute_gaps = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_06(compute_gaps)
+exercises.check_06(globals().get("compute_gaps"))

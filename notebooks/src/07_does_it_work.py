@@ -355,14 +355,18 @@ else:
 #
 # ## Exercise
 #
-# Write `busy_fraction(spans)` that takes a list of `(start, end)` intervals (device spans, possibly
-# overlapping) and returns the fraction of the whole time range, from the earliest start to the latest
-# end, covered by at least one interval. This is how `Timeline.device_busy` counts.
+# A back-of-the-envelope model of section 1's ratio. Write `async_over_sync(host, device)` that takes
+# each step's host time and device time (two lists of the same length) and returns the predicted wall
+# time of the async loop divided by the sync loop's. The sync loop takes turns: each step costs host
+# plus device. The async loop prepares step 0 on the host alone; from then on, while the device runs
+# step n, the host prepares step n+1, and step n+1 starts on the device when both are done. Then try
+# it: with the device busy 83% of a sync step, what ratio does it predict, and why can async never
+# beat the sync loop's busy fraction?
 
 # %%
-busy_fraction = None  # replace with your function
+async_over_sync = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_07(busy_fraction)
+exercises.check_07(globals().get("async_over_sync"))
