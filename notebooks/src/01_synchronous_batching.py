@@ -11,7 +11,6 @@
 # %%
 import os
 
-
 import matplotlib.pyplot as plt
 import torch
 

@@ -207,16 +207,17 @@ for name in dict.fromkeys(r["model"] for r in sweep):
     mine = [r for r in sweep if r["model"] == name]
     x = [r["batch"] for r in mine]
     ax1.plot(x, [r["wall_ratio"] for r in mine], "o-", label=name)
-    line, = ax2.plot(x, [r["async"]["device_busy"] for r in mine], "o-", label=f"{name} async")
-    ax2.plot(x, [r["sync"]["device_busy"] for r in mine], "o--", color=line.get_color(), label=f"{name} sync")
+    line, = ax2.plot(x, [r["async"]["device_busy"] for r in mine], "o-")
+    ax2.plot(x, [r["sync"]["device_busy"] for r in mine], "o--", color=line.get_color())
 ax1.axhline(1.0, color="gray", lw=0.8)
 ax1.axhline(0.78, color="gray", lw=0.8, ls=":")
 ax1.set(xscale="log", xlabel="batch size", ylabel="wall time, async / sync", title="lower is better", ylim=(0.5, 1.05))
 ax2.set(xscale="log", xlabel="batch size", ylabel="device busy", title="device busy (dashed: sync)", ylim=(0.5, 1.02))
 for ax in (ax1, ax2):
     ax.set_xticks([1, 4, 16, 32, 64], ["1", "4", "16", "32", "64"])
-ax1.legend(fontsize=7)
-ax2.legend(fontsize=6, ncol=2)
+ax1.legend(fontsize=8, title="model shape (colours: both panels)", title_fontsize=8)
+ax2.legend(handles=[plt.Line2D([], [], color="black", ls="-", marker="o", label="async"),
+                    plt.Line2D([], [], color="black", ls="--", marker="o", label="sync")], fontsize=8)
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
