@@ -331,7 +331,10 @@ fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 #
 # The recorded timeline of `python -m minibatch bench` in sync mode on one H200, Llama-3-8B shape
 # (bf16, random weights), 32 prompts of 256 tokens, 256 new tokens each, decode steps replayed as
-# CUDA graphs (`BENCHMARKS.md`). The device spans are measured with CUDA events on the GPU's own
+# CUDA graphs: the "graphs on, run 2" of `BENCHMARKS.md` (H200, 2026-11-29, `python -m minibatch
+# bench --model llama3-8b-shape --device cuda --modes sync,async --cuda-graphs on ...`), made with the
+# first version of the decode step (einsum attention, full sampler; notebook 07 shows how it later
+# came down from 16.2 to 10.2 ms). The device spans are measured with CUDA events on the GPU's own
 # clock, so unlike notebook 01's host-clock spans they show when the GPU actually worked. We look at
 # the decode steps from step 5 on (steps 0 to 3 prefill the 32 prompts, 2,048 tokens at a time, and
 # the first decode step is an outlier):
@@ -390,8 +393,8 @@ fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 #   *slots* used in turn fix it (and CUDA graphs, one set per slot, remove launch overhead);
 # * **05**: batch N+1 needs the tokens batch N has not produced yet: a placeholder and a
 #   *carry-over* done on the device fill them in;
-# * **06**: all of it together, the asynchronous loop: on the H200 above, 16.2 ms per step, no gap,
-#   the GPU busy 100% of the time (`BENCHMARKS.md`).
+# * **06**: all of it together, the asynchronous loop: in the same H200 run its steps follow each
+#   other with no gap, the GPU busy 100% of the time (`BENCHMARKS.md`).
 #
 # ## Summary
 #

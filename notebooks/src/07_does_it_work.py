@@ -155,6 +155,9 @@ fig.tight_layout()
 fig.savefig(f"{FIGURES}/07_decode_step_variants_gpu.png", dpi=110)
 for n, ms in steps_ab:
     print(f"{n:36} {ms:6.2f} ms  {ms / floor_ab:.2f}x floor")
+sdpa_line = next(line for line in open(DATA + "gpu_step_ab_8b.txt")
+                 if line.startswith("ctx  383") and "sdpa   greedy-fast True  bucket 256" in line)
+print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_line.split("graph")[1].split()))
 
 # %% [markdown]
 # Read it top to bottom; each of the first four bars is one more change, all measured in one process.
@@ -248,7 +251,7 @@ print("".join(open(DATA + "gpu_profile_async_8b.txt").readlines()[:3]))
 # At the scale of steps they agree (98.8% against 98.9% once gaps shorter than 1 ms are counted as
 # busy). At the scale of kernels the device is idle 16% of the time, in gaps our events cannot see:
 # about 6 points in gaps under 5 µs, the launch gaps between consecutive kernels of a replayed CUDA
-# graph (section 3 measured about 0.6 ms of a 10.2 ms step); the other 10 in gaps of 5 µs to 1 ms,
+# graph (section 3's kernel table: 0.58 ms of gaps in a 10.21 ms step); the other 10 in gaps of 5 µs to 1 ms,
 # between graph replays, around the copies and inside the eagerly run prefill steps (this profiled
 # run is short, 64 new tokens, so its prefill weighs more), with the profiler's own overhead in all
 # of them. Two measures, two questions: "does the device wait for the host?" (ours) and "is a
@@ -292,8 +295,11 @@ for mode, ttft in runs.items():
 
 # %% [markdown]
 # Same steps. In seconds, each step of the async loop is shorter on a GPU (no host gap), so its first
-# tokens come sooner, not later; on this CPU, where the async loop is no faster, they come at about
-# the same time:
+# tokens come sooner, not later. On a CPU the async loop is no faster (notebook 06, section 5), and
+# this ratio, measured over a run of a second or so, swings with whatever else the machine does:
+# from 0.57 to 1.59 over five back-to-back runs on a shared 2-core machine (the stored output below
+# is one more run; `BENCHMARKS.md` has the command). Steps, not seconds, are the comparison that
+# holds here:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
