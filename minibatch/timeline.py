@@ -149,8 +149,10 @@ class Timeline:
         ax.set_xlim(0, t_hi - t_lo)
         ax.set_xlabel("time (s)")
         names = {s.name for s in drawn}
-        names = [n for n in COLORS if n in names] + sorted(n for n in names if n not in COLORS)
-        ax.legend(handles=[Patch(color=COLORS.get(n, "#999999"), label=n) for n in names],
+        by_colour: dict[str, list[str]] = {}  # one entry per colour drawn; names without a colour share grey
+        for n in [n for n in COLORS if n in names] + sorted(n for n in names if n not in COLORS):
+            by_colour.setdefault(COLORS.get(n, "#999999"), []).append(n)
+        ax.legend(handles=[Patch(color=c, label=", ".join(ns)) for c, ns in by_colour.items()],
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
         busy = self.device_busy()
         ax.set_title(title or f"device busy {busy:.0%} of the time")

@@ -69,6 +69,9 @@ def test_legend_lists_only_what_the_window_draws():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["prepare", "H2D", "compute", "D2H"]
     ax = tl.plot()
     assert "delay" in [t.get_text() for t in ax.get_legend().get_texts()]
+    tl.add("stream A", "a", 0.0, 1.0)
+    tl.add("stream B", "b", 0.0, 1.0)  # no colour of their own: one grey entry for both
+    assert [t.get_text() for t in tl.plot().get_legend().get_texts()][-1] == "a, b"
 
 
 def test_step_labels_sit_on_wide_bars():

@@ -153,14 +153,16 @@ for name, t in [("gathered", prev_output[: len(toy_mask)]), ("zeroed", tokens), 
 # 512 tokens, keys padded to multiples of 64):
 
 # %%
-rows, context, kv_bucket, block_size = 32, 512, 64, 16
-keys = rows * -(-(context + 1) // kv_bucket) * kv_bucket  # the decode layout: [rows, L] keys
-per_token = 4 * rows * 8  # input_ids, positions, q_seq, slot_mapping: int64 per token
-key_lists = 3 * keys * 8  # kv_indices, kv_seq, kv_pos
-mask = keys  # the boolean mask built on the device, one byte per (row, key)
-block_tables = rows * -(-context // block_size) * 4 + (rows + 1) * 4  # what a flash kernel reads instead
-print(f"per-token inputs {per_token / 1e3:6.1f} kB | key lists {key_lists / 1e3:6.1f} kB | "
-      f"device mask {mask / 1e3:5.1f} kB | block tables + lengths {block_tables / 1e3:4.1f} kB")
+def io_sizes(rows=32, context=512, kv_bucket=64, block_size=16):
+    """Bytes of one decode step's IO tensors (ours) and of what a flash-attention kernel reads instead."""
+    keys = rows * -(-(context + 1) // kv_bucket) * kv_bucket  # the decode layout: [rows, L] keys
+    return {"per-token inputs": 4 * rows * 8,  # input_ids, positions, q_seq, slot_mapping: int64 per token
+            "key lists": 3 * keys * 8,  # kv_indices, kv_seq, kv_pos
+            "device mask": keys,  # the boolean mask built on the device, one byte per (row, key)
+            "block tables + lengths": rows * -(-context // block_size) * 4 + (rows + 1) * 4}
+
+
+print(" | ".join(f"{name} {size / 1e3:.1f} kB" for name, size in io_sizes().items()))
 
 # %% [markdown]
 # So our slots are about a hundred times larger than they would need to be with a flash kernel,

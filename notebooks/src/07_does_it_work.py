@@ -298,8 +298,8 @@ for mode, ttft in runs.items():
 # tokens come sooner, not later. On a CPU the async loop is no faster (notebook 06, section 5), and
 # this ratio, measured over a run of a second or so, swings with whatever else the machine does:
 # from 0.57 to 1.59 over five back-to-back runs on a shared 2-core machine (the stored output below
-# is one more run; `BENCHMARKS.md` has the command). Steps, not seconds, are the comparison that
-# holds here:
+# is one more run; `python scripts/ttft_cpu.py --runs 5` repeats it). Steps, not seconds, are the
+# comparison that holds here:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
