@@ -8,6 +8,8 @@ tests/test_exercises.py runs every check with its solution and with wrong answer
 
 from __future__ import annotations
 
+import functools
+
 
 def _not_yet(answer, name: str) -> bool:
     if answer is None:
@@ -16,19 +18,32 @@ def _not_yet(answer, name: str) -> bool:
     return False
 
 
+@functools.cache
+def _tiny():
+    import minibatch
+    return minibatch.load_model("tiny", device="cpu")
+
+
+@functools.cache
+def _tokens_until_eos(prompt: str, seed: int) -> int:
+    import minibatch
+    model = _tiny()
+    eos = model.tokenizer.eos_token_id
+    out = minibatch.generate(model, [prompt], max_new_tokens=200, temperature=0.7, seed=seed, eos_token_id=eos)[0]
+    assert out[-1] == eos and len(out) < 200, "the tiny model changed: pick prompts that reach EOS again"
+    return len(out)
+
+
 def check_00(count_until_eos) -> None:
     """count_until_eos(model, prompt, seed) -> new tokens until (and including) EOS, sampling as in the notebook."""
     if _not_yet(count_until_eos, "count_until_eos"):
         return
-    import minibatch
-    model = minibatch.load_model("tiny", device="cpu")
-    eos = model.tokenizer.eos_token_id
+    model = _tiny()
     # prompts and seeds for which the model stops by itself well before the 200-token cap
     for prompt, seed in (("Exceptions are raised", 5), ("The import system", 1), ("Names refer to objects", 2)):
-        out = minibatch.generate(model, [prompt], max_new_tokens=200, temperature=0.7, seed=seed, eos_token_id=eos)[0]
-        assert out[-1] == eos and len(out) < 200, "the tiny model changed: pick prompts that reach EOS again"
+        made = _tokens_until_eos(prompt, seed)
         got = count_until_eos(model, prompt, seed)
-        assert got == len(out), (f"{prompt!r}, seed {seed}: you counted {got}, the model made {len(out)} tokens "
+        assert got == made, (f"{prompt!r}, seed {seed}: you counted {got}, the model made {made} tokens "
                                  "(EOS included). Sample as the notebook does (temperature 0.7, that seed) and tell "
                                  "generate which token ends a text, or it never stops before max_new_tokens")
     print("✓ correct")
@@ -38,13 +53,11 @@ def check_01(ragged_layout) -> None:
     """ragged_layout(plan) -> (positions, logits_indices) of the flat batch, as lists."""
     if _not_yet(ragged_layout, "ragged_layout"):
         return
-    import minibatch
     from minibatch.batch import build_batch
     from minibatch.requests import Request
     from minibatch.scheduler import Scheduler
 
-    model = minibatch.load_model("tiny", device="cpu")
-    cache = model.make_cache(num_blocks=32, block_size=4)
+    cache = _tiny().make_cache(num_blocks=32, block_size=4)
     sched = Scheduler(cache.allocator, max_batch_tokens=8, max_batch_size=3)
     for i, n in enumerate([10, 3, 7, 5]):
         sched.add(Request(i, [1] * n, 4))

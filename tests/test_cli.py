@@ -14,7 +14,7 @@ def run(*args, cwd=None):
 
 def run_here(capsys, *args):
     """The CLI's main() in this process: (exit status, stdout, stderr) as a subprocess would give them,
-    for flag errors that need no fresh interpreter (each subprocess pays seconds of imports)."""
+    without a fresh interpreter's seconds of imports (the demo test runs the real entry point)."""
     from minibatch.__main__ import main
 
     try:
@@ -36,10 +36,10 @@ def test_demo_writes_table_and_figure(tmp_path):
     assert json.load(open(tmp_path / "demo_trace.json"))["traceEvents"]
 
 
-def test_bench_writes_json(tmp_path):
-    r = run("bench", "--model", "random-llama", "--device", "cpu", "--num-prompts", "3", "--prompt-len", "5",
-            "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
+def test_bench_writes_json(tmp_path, capsys):
+    code, _, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--num-prompts", "3",
+                            "--prompt-len", "5", "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path))
+    assert code == 0, err
     data = json.load(open(tmp_path / "bench.json"))
     res = data["results"][0]
     assert res["mode"] == "sync" and res["new_tokens"] == 12 and 0 < res["device_busy"] <= 1
@@ -59,34 +59,30 @@ def test_bad_flags_are_named(capsys):
     assert r.returncode != 0 and "unknown mode 'async+turbo'" in r.stderr
 
 
-# transformers' generate_batch sizes its KV cache (and its attention masks, from 8192 batch tokens) from
-# the machine's memory: 60% of the RAM on a CPU, ~9 GB here for 2 prompts of 4 tokens. The test bounds
-# its defaults to what this workload needs (4 blocks of 256 tokens, 64 batch tokens) so the suite stays
-# light; everything else is the CLI as a user runs it.
-_BOUNDED_HF = """
-import sys
-from transformers import ContinuousBatchingConfig
-_init = ContinuousBatchingConfig.__init__
-def bounded(self, *args, **kwargs):
-    kwargs.setdefault("num_blocks", 4)
-    kwargs.setdefault("max_batch_tokens", 64)
-    _init(self, *args, **kwargs)
-ContinuousBatchingConfig.__init__ = bounded
-from minibatch.__main__ import main
-main(sys.argv[1:])
-"""
+def test_bench_beside_transformers_and_the_floor(tmp_path, capsys, monkeypatch):
+    # transformers' generate_batch sizes its KV cache (and its attention masks, from 8192 batch tokens)
+    # from the machine's memory: 60% of the RAM on a CPU, ~9 GB for these 2 prompts of 4 tokens. The
+    # test bounds its defaults to what this workload needs (4 blocks of 256 tokens, 64 batch tokens) so
+    # the suite stays light; everything else is the CLI as a user runs it.
+    from transformers import ContinuousBatchingConfig
 
+    init = ContinuousBatchingConfig.__init__
 
-def test_bench_beside_transformers_and_the_floor(tmp_path):
-    r = subprocess.run([sys.executable, "-c", _BOUNDED_HF, "bench", "--model", "random-llama", "--device", "cpu",
-                        "--num-prompts", "2", "--prompt-len", "4", "--max-new-tokens", "3", "--no-progress", "--hf",
-                        "--floor", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "hf: 2/2 requests with the same tokens as sync" in r.stdout  # float32: transformers agrees
+    def bounded(self, *args, **kwargs):
+        kwargs.setdefault("num_blocks", 4)
+        kwargs.setdefault("max_batch_tokens", 64)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousBatchingConfig, "__init__", bounded)
+    code, out, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--num-prompts", "2",
+                              "--prompt-len", "4", "--max-new-tokens", "3", "--no-progress", "--hf", "--floor",
+                              "--out", str(tmp_path))
+    assert code == 0, err
+    assert "hf: 2/2 requests with the same tokens as sync" in out  # float32: transformers agrees
     data = json.load(open(tmp_path / "bench.json"))
     assert [x["mode"] for x in data["results"]] == ["sync", "hf"]
     assert data["workload"]["weight_floor_ms"] > 0
-    assert "fastest minibatch mode sync" in r.stdout and "fastest transformers mode hf" in r.stdout
+    assert "fastest minibatch mode sync" in out and "fastest transformers mode hf" in out
 
 
 def test_compile_modes_need_a_gpu(capsys):

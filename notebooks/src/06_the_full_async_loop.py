@@ -256,10 +256,10 @@ fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_cpu.png", dpi=110)
 #
 # `minibatch.generate(..., on_step=callback)` calls `callback(plan, finished)` on the host after
 # each step's tokens are applied. We use it to redraw the timeline while the loop runs: each frame
-# shows the last 10 steps. Drawing is not free (a tenth of a second or so here, about ten steps'
-# worth), and while the host draws it does not prepare the next batch, so we draw at most every
-# quarter of a second and record each drawing as a `draw` span (red) on the host's lane, with its
-# share of the run in the title. The frames replace each other in one output; when the run
+# shows the last 10 steps. Drawing is not free (a tenth of a second or so here, the time of ten
+# steps or more), and while the host draws it does not prepare the next batch, so we draw at most
+# every quarter of a second and record each drawing as a `draw` span (red) on the host's lane, with
+# its share of the run in the title. The frames replace each other in one output; when the run
 # ends, the last frame stays there (also in the saved notebook).
 
 # %%
