@@ -70,3 +70,15 @@ def test_notebook_was_run_top_to_bottom_without_errors(nb):
 def test_every_module_has_a_chapter():
     modules = {p.stem for p in (ROOT / "minibatch").glob("*.py")} - {"__init__", "__main__"}
     assert modules <= set(CHAPTER), f"no chapter for {modules - set(CHAPTER)}"
+
+
+def test_every_figure_the_docs_name_is_committed():
+    """README, BENCHMARKS and the notebooks' prose name figures/...png files: they must be in the
+    repository, since running the notebooks writes figures under out/figures/, not figures/."""
+    texts = [(ROOT / name).read_text() for name in ("README.md", "BENCHMARKS.md")]
+    texts += [text for src in (ROOT / "notebooks" / "src").glob("*.py")
+              for kind, text in parse(src) if kind == "markdown"]
+    named = {m for text in texts for m in re.findall(r"figures/[\w.-]+\.png", text)}
+    assert named, "no figure found: has the link syntax changed?"
+    missing = sorted(f for f in named if not (ROOT / f).exists())
+    assert not missing, f"named but not committed: {missing} (python scripts/build_notebooks.py NN --figures)"
