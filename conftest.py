@@ -1,4 +1,4 @@
-"""Repo-wide pytest hooks: which notebooks are tests, and per-notebook run time at the end of the session.
+"""Repo-wide pytest hooks: which notebooks are tests, and per-notebook run time at the end of the run.
 
 Only the numbered notebooks built from a source in notebooks/src/ are tests. A participant's own
 copies (notebooks/my_00.ipynb, "00_welcome-Copy1.ipynb", notebooks/backup/) are never collected, and a

@@ -381,8 +381,8 @@ for name, extra in [("tiny model, emulated on CPU", {}),
 # `python -m minibatch bench --modes sync,async` on one H200 (Llama-3-8B shape with random
 # weights, bfloat16, 32 prompts of 256 tokens, 256 new tokens each), once eager and once with CUDA
 # graphs (`BENCHMARKS.md`, 2026-11-29, "graphs on, run 2": 16.2 ms per decode step), and later once
-# more with the faster decode step of notebook 07 ("sdpa": 10.3 ms per decode step, the headline run
-# of 2026-11-29's second GPU session, `scripts/gpu/final2.sh`, keys padded to 256). The timelines are committed as `figures/data/gpu_sync_*.json` and
+# more with the faster decode step of notebook 07 ("sdpa": 10.3 ms per decode step, run A of the
+# "Headline" section of `BENCHMARKS.md`, `scripts/gpu/final2.sh`, keys padded to 256). The timelines are committed as `figures/data/gpu_sync_*.json` and
 # `gpu_async_*.json`, so the cell below redraws them without a GPU (and says so if they are missing). On a GPU the device
 # spans are timed with CUDA events, on the GPU's own clock.
 
