@@ -115,8 +115,13 @@ class Timeline:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     # --- drawing ---------------------------------------------------------------------------------
-    def plot(self, ax=None, title: str | None = None, start: float | None = None, end: float | None = None):
-        """Gantt chart of the spans between start and end (seconds; default: everything)."""
+    def plot(self, ax=None, title: str | None = None, start: float | None = None, end: float | None = None,
+             step_labels: bool = False):
+        """Gantt chart of the spans between start and end (seconds; default: everything).
+
+        The legend lists only the kinds of span drawn in that window. step_labels writes each span's
+        step number on it where the bar is wide enough to hold it.
+        """
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
 
@@ -126,19 +131,28 @@ class Timeline:
         lanes = [lane for lane in LANES if lane in present] + [lane for lane in present if lane not in LANES]
         t_lo = min(s.start for s in self.spans) if start is None else start
         t_hi = max(s.end for s in self.spans) if end is None else end
+        drawn = [s for s in self.spans if s.end >= t_lo and s.start <= t_hi]
         for row, lane in enumerate(lanes):
-            bars = [(s.start - t_lo, s.duration, COLORS.get(s.name, "#999999"))
-                    for s in self.spans if s.lane == lane and s.end >= t_lo and s.start <= t_hi]
+            bars = [(s.start - t_lo, s.duration, COLORS.get(s.name, "#999999")) for s in drawn if s.lane == lane]
             if bars:
                 ax.broken_barh([(a, d) for a, d, _ in bars], (row - 0.4, 0.8),
                                facecolors=[c for *_, c in bars], edgecolor="none")
+        if step_labels:
+            row_of = {lane: row for row, lane in enumerate(lanes)}
+            for s in drawn:
+                visible = min(s.end, t_hi) - max(s.start, t_lo)
+                if s.step >= 0 and visible >= 0.025 * (t_hi - t_lo):
+                    ax.text((max(s.start, t_lo) + min(s.end, t_hi)) / 2 - t_lo, row_of[s.lane], str(s.step),
+                            ha="center", va="center", fontsize=8, color="white" if s.name != "wait" else "black")
         ax.set_yticks(range(len(lanes)), lanes)
         ax.set_ylim(len(lanes) - 0.5, -0.5)
         ax.set_xlim(0, t_hi - t_lo)
         ax.set_xlabel("time (s)")
-        names = sorted({s.name for s in self.spans}, key=list(COLORS).index if all(
-            n in COLORS for n in {s.name for s in self.spans}) else str)
-        ax.legend(handles=[Patch(color=COLORS.get(n, "#999999"), label=n) for n in names],
+        names = {s.name for s in drawn}
+        by_colour: dict[str, list[str]] = {}  # one entry per colour drawn; names without a colour share grey
+        for n in [n for n in COLORS if n in names] + sorted(n for n in names if n not in COLORS):
+            by_colour.setdefault(COLORS.get(n, "#999999"), []).append(n)
+        ax.legend(handles=[Patch(color=c, label=", ".join(ns)) for c, ns in by_colour.items()],
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
         busy = self.device_busy()
         ax.set_title(title or f"device busy {busy:.0%} of the time")

@@ -1,10 +1,14 @@
 """Check cells for the notebooks' exercises (the solutions are in notebooks/solutions/).
 
-Each `check_*` takes what the student wrote. If it is still None, it says so and returns; otherwise
-it tests the answer and prints ✓ or raises AssertionError with a hint.
+Each `check_*` takes what the student wrote. If it is still None (the check cells pass
+`globals().get(name)`, so a check run before the exercise cell gives None too), it says so and
+returns; otherwise it tests the answer and prints ✓ or raises AssertionError with a hint.
+tests/test_exercises.py runs every check with its solution and with wrong answers.
 """
 
 from __future__ import annotations
+
+import functools
 
 
 def _not_yet(answer, name: str) -> bool:
@@ -14,39 +18,61 @@ def _not_yet(answer, name: str) -> bool:
     return False
 
 
+@functools.cache
+def _tiny():
+    import minibatch
+    return minibatch.load_model("tiny", device="cpu")
+
+
+@functools.cache
+def _tokens_until_eos(prompt: str, seed: int) -> int:
+    import minibatch
+    model = _tiny()
+    eos = model.tokenizer.eos_token_id
+    out = minibatch.generate(model, [prompt], max_new_tokens=200, temperature=0.7, seed=seed, eos_token_id=eos)[0]
+    assert out[-1] == eos and len(out) < 200, "the tiny model changed: pick prompts that reach EOS again"
+    return len(out)
+
+
 def check_00(count_until_eos) -> None:
-    """count_until_eos(model, prompt: str) -> how many new tokens until (and including) EOS, at most 200."""
+    """count_until_eos(model, prompt, seed) -> new tokens until (and including) EOS, sampling as in the notebook."""
     if _not_yet(count_until_eos, "count_until_eos"):
         return
-    import minibatch
-    model = minibatch.load_model("tiny", device="cpu")
-    for prompt in ("The while statement", "Names refer to objects"):
-        out = minibatch.generate(model, [prompt], max_new_tokens=200, eos_token_id=model.tokenizer.eos_token_id)[0]
-        got = count_until_eos(model, prompt)
-        assert got == len(out), f"{prompt!r}: you counted {got}, the model made {len(out)} tokens (EOS included)"
+    model = _tiny()
+    # prompts and seeds for which the model stops by itself well before the 200-token cap
+    for prompt, seed in (("Exceptions are raised", 5), ("The import system", 1), ("Names refer to objects", 2)):
+        made = _tokens_until_eos(prompt, seed)
+        got = count_until_eos(model, prompt, seed)
+        assert got == made, (f"{prompt!r}, seed {seed}: you counted {got}, the model made {made} tokens "
+                                 "(EOS included). Sample as the notebook does (temperature 0.7, that seed) and tell "
+                                 "generate which token ends a text, or it never stops before max_new_tokens")
     print("✓ correct")
 
 
-def check_01(tokens_per_step) -> None:
-    """tokens_per_step(plans) -> list of the number of tokens processed in each step."""
-    if _not_yet(tokens_per_step, "tokens_per_step"):
+def check_01(ragged_layout) -> None:
+    """ragged_layout(plan) -> (positions, logits_indices) of the flat batch, as lists."""
+    if _not_yet(ragged_layout, "ragged_layout"):
         return
-    from minibatch.kv_cache import BlockAllocator
+    from minibatch.batch import build_batch
     from minibatch.requests import Request
     from minibatch.scheduler import Scheduler
 
-    sched = Scheduler(BlockAllocator(64, 4), max_batch_tokens=8, max_batch_size=3)
+    cache = _tiny().make_cache(num_blocks=32, block_size=4)
+    sched = Scheduler(cache.allocator, max_batch_tokens=8, max_batch_size=3)
     for i, n in enumerate([10, 3, 7, 5]):
         sched.add(Request(i, [1] * n, 4))
-    plans = []
-    while sched.has_work():
+    while sched.has_work():  # mixed steps: chunked prefills, last chunks that sample, decode tokens
         plan = sched.schedule()
-        plans.append(plan)
+        host = build_batch(plan, cache)
+        want = (host.positions.tolist(), host.logits_indices.tolist())
+        got = ragged_layout(plan)
+        got = tuple(list(x.tolist() if hasattr(x, "tolist") else x) for x in got)
+        chunks = "  ".join(f"r{c.request.rid}[{c.start}:{c.end}]{'→sample' if c.sample else ''}" for c in plan.chunks)
+        assert got[0] == want[0], (f"step {plan.step} ({chunks}): positions {got[0]}, expected {want[0]} (a token's "
+                                   "position is its index in its own request, not in the flat batch)")
+        assert got[1] == want[1], (f"step {plan.step} ({chunks}): logits_indices {got[1]}, expected {want[1]} (the "
+                                   "last token of each chunk that samples, counted in the flat batch)")
         sched.update(plan, [2] * len(plan.sampling_chunks))
-    expected = [p.num_tokens for p in plans]
-    got = tokens_per_step(plans)
-    assert list(got) == expected, f"expected {expected}, got {list(got)}"
-    assert max(got) <= 8, "a step never processes more than max_batch_tokens"
     print("✓ correct")
 
 
@@ -138,17 +164,27 @@ def check_06(compute_gaps) -> None:
     print("✓ correct")
 
 
-def check_04(graph_shape) -> None:
-    """graph_shape(rows, longest_context, kv_bucket) -> (padded rows, keys per row)."""
-    if _not_yet(graph_shape, "graph_shape"):
+def check_04(count_graphs) -> None:
+    """count_graphs(steps, kv_bucket) -> how many CUDA graphs decode steps (rows, longest_context) capture."""
+    if _not_yet(count_graphs, "count_graphs"):
         return
     from minibatch.batch import bucket
     from minibatch.step import ROW_BUCKETS
 
-    for rows, ctx, kb in [(13, 700, 256), (1, 0, 256), (32, 255, 256), (33, 256, 128), (5, 10, 1)]:
-        want = (bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb)
-        got = tuple(graph_shape(rows, ctx, kb))
-        assert got == want, f"graph_shape({rows}, {ctx}, {kb}) = {got}, expected {want}"
+    def want(steps, kb):
+        return len({(n % 2, bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb) for n, (rows, ctx) in enumerate(steps)})
+
+    cases = [([(13, 700)], 64),
+             ([(13, 700), (13, 701)], 64),  # same shape, but the second step runs from the other slot
+             ([(13, 700), (13, 701), (13, 702)], 64),  # slot A again, same bucket: replayed, not captured
+             ([(5, 62), (5, 63), (6, 63), (5, 64)], 64),  # 63 + 1 keys fit in 64; 64 + 1 do not
+             ([(3, 10), (4, 10), (3, 10), (4, 10)], 256),  # 3 and 4 rows share a row bucket
+             ([(30, 100)] * 2 + [(20, 100)] * 2 + [(9, 300)] * 4, 128)]
+    for steps, kb in cases:
+        got = count_graphs(list(steps), kb)
+        assert got == want(steps, kb), (f"count_graphs({steps}, {kb}) = {got}, expected {want(steps, kb)}: a graph "
+                                        "is captured once per (slot, padded rows, padded keys); steps alternate "
+                                        "slots A, B, A, ...; a row holds its context plus the new token")
     print("✓ correct")
 
 
@@ -227,13 +263,24 @@ def check_03(pipeline) -> None:
     print("✓ correct")
 
 
-def check_07(busy_fraction) -> None:
-    """busy_fraction(intervals) -> covered fraction of [min start, max end]."""
-    if _not_yet(busy_fraction, "busy_fraction"):
+def check_07(async_over_sync) -> None:
+    """async_over_sync(host, device) -> predicted wall-time ratio of the async loop over the sync loop."""
+    if _not_yet(async_over_sync, "async_over_sync"):
         return
-    cases = [([(0, 1), (2, 3)], 2 / 3), ([(0, 2), (1, 3)], 1.0), ([(0, 4), (1, 2), (3, 5), (7, 10)], 8 / 10),
-             ([(5, 6)], 1.0), ([(0, 1), (0, 1), (3, 4)], 0.5)]
-    for spans, want in cases:
-        got = busy_fraction(spans)
-        assert abs(got - want) < 1e-9, f"busy_fraction({spans}) = {got}, expected {want} (count overlaps once)"
+
+    def want(h, d):
+        sync = sum(h) + sum(d)
+        nxt = list(h[1:]) + [0.0]
+        return (h[0] + sum(max(dn, hn) for dn, hn in zip(d, nxt))) / sync
+
+    cases = [([1.0, 1.0, 1.0], [4.0, 4.0, 4.0]),  # device-bound: the host hides behind it
+             ([4.0, 4.0, 4.0], [1.0, 1.0, 1.0]),  # host-bound: the device waits for the host
+             ([2.0], [3.0]),  # one step: nothing to overlap
+             ([1.0, 5.0, 1.0, 5.0], [3.0, 3.0, 3.0, 3.0]),  # step N's device time hides step N+1's host time
+             ([0.5, 0.5, 3.0, 0.5], [2.0, 1.0, 2.0, 2.0])]
+    for h, d in cases:
+        got = async_over_sync(list(h), list(d))
+        assert abs(got - want(h, d)) < 1e-9, (
+            f"async_over_sync({h}, {d}) = {got:.4f}, expected {want(h, d):.4f}: the sync loop pays host + device "
+            "every step; the async loop prepares step n+1 on the host while the device runs step n")
     print("✓ correct")

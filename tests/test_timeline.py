@@ -60,3 +60,22 @@ def test_plot_draws_every_lane(tmp_path):
     tl.add("stream A", "work", 0.5, 1.5)
     ax = tl.plot()
     assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU", "H2D", "compute", "D2H", "stream A"]
+
+
+def test_legend_lists_only_what_the_window_draws():
+    tl = make()
+    tl.add("H2D", "delay", 5.0, 6.0, 1)  # outside the window below
+    ax = tl.plot(start=0.0, end=3.2)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["prepare", "H2D", "compute", "D2H"]
+    ax = tl.plot()
+    assert "delay" in [t.get_text() for t in ax.get_legend().get_texts()]
+    tl.add("stream A", "a", 0.0, 1.0)
+    tl.add("stream B", "b", 0.0, 1.0)  # no colour of their own: one grey entry for both
+    assert [t.get_text() for t in tl.plot().get_legend().get_texts()][-1] == "a, b"
+
+
+def test_step_labels_sit_on_wide_bars():
+    tl = make()
+    tl.add("compute", "compute", 3.6, 3.61, 1)  # too narrow to hold a label
+    texts = [t.get_text() for t in tl.plot(step_labels=True).texts]
+    assert texts.count("0") == 5 and "1" not in texts

@@ -3,5 +3,9 @@ from minibatch.batch import bucket
 from minibatch.step import ROW_BUCKETS
 
 
-def graph_shape(rows, longest_context, kv_bucket):
-    return bucket(rows, ROW_BUCKETS), -(-(longest_context + 1) // kv_bucket) * kv_bucket
+def count_graphs(steps, kv_bucket):
+    shapes = set()
+    for n, (rows, longest_context) in enumerate(steps):
+        keys = -(-(longest_context + 1) // kv_bucket) * kv_bucket  # context + the new token, rounded up
+        shapes.add((n % 2, bucket(rows, ROW_BUCKETS), keys))  # slots alternate: a graph per slot
+    return len(shapes)

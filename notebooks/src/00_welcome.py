@@ -125,9 +125,10 @@ for p, o in zip(prompts, outs):
 #
 # ## Exercise
 #
-# Write `count_until_eos(model, prompt)` that returns how many new tokens the tiny model makes for
-# `prompt` (greedy, at most 200) before it stops by itself with EOS, EOS included. Then run the
-# check cell.
+# Write `count_until_eos(model, prompt, seed)` that returns how many new tokens the tiny model makes
+# for `prompt` when it samples as in the cell above (temperature 0.7, this `seed`, at most 200 new
+# tokens) before it stops by itself with EOS, EOS included. Then run the check cell (it picks prompts
+# and seeds for which the model does stop).
 
 # %%
 count_until_eos = None  # replace with your function
@@ -135,4 +136,4 @@ count_until_eos = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_00(count_until_eos)
+exercises.check_00(globals().get("count_until_eos"))

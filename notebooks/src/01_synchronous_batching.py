@@ -9,6 +9,7 @@
 # **Time:** about 15 minutes (CPU or GPU).
 
 # %%
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -20,6 +21,10 @@ from minibatch.scheduler import Scheduler
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 
@@ -188,7 +193,7 @@ fig, ax = plt.subplots(figsize=(10, 2.4))
 mid = tl.spans[len(tl.spans) // 2].start
 tl.plot(ax=ax, start=mid, end=mid + 0.25, title="sync loop on the CPU (a 0.25 s window)")
 fig.tight_layout()
-fig.savefig("../figures/01_sync_timeline_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/01_sync_timeline_cpu.png", dpi=110)
 
 # %% [markdown]
 # On the CPU the "device" is the same processor as the host, and the tiny model's forward pass
@@ -214,7 +219,7 @@ fig, ax = plt.subplots(figsize=(10, 2.4))
 s0 = [s for s in gpu.spans if s.step == 100 and s.name == "prepare"][0].start
 gpu.plot(ax=ax, start=s0, end=s0 + 0.5, title="sync loop, 8B shape on an H200 (a 0.5 s window)")
 fig.tight_layout()
-fig.savefig("../figures/01_sync_timeline_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/01_sync_timeline_gpu.png", dpi=110)
 
 # %% [markdown]
 # Two things stand out.
@@ -241,14 +246,16 @@ fig.savefig("../figures/01_sync_timeline_gpu.png", dpi=110)
 #
 # ## Exercise
 #
-# Write `tokens_per_step(plans)` that takes a list of `BatchPlan`s and returns how many tokens each
-# step processed (prefill chunks and decode tokens together). Use the plan's `chunks`, each with
-# `start` and `end`.
+# Write `ragged_layout(plan)` that returns two lists for one step's `BatchPlan`: the `positions` of
+# every token of the flat batch, and the `logits_indices`, the places in the flat batch of the tokens
+# whose logits produce a new token (section 5 printed both for one plan). Use only `plan.chunks`,
+# each with `start`, `end` and `sample`. The check compares your lists with `build_batch`'s on every
+# step of a run with chunked prefills and decodes.
 
 # %%
-tokens_per_step = None  # replace with your function
+ragged_layout = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_01(tokens_per_step)
+exercises.check_01(globals().get("ragged_layout"))

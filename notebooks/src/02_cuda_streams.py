@@ -17,6 +17,7 @@
 # you see below really happens, on any laptop.
 
 # %%
+import os
 import queue
 import re
 import threading
@@ -29,6 +30,10 @@ from minibatch.device import get_device
 from minibatch.timeline import Timeline
 
 _ = torch.manual_seed(0)  # nothing below is random, but every notebook starts seeded
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 
 # %% [markdown]
 # ## 1. A stream, in a dozen lines
@@ -193,7 +198,7 @@ draw(tl_named, lanes, axes[0], "two named streams: a and b overlap")
 draw(tl_default, lanes, axes[1], "one small op on the legacy default stream in between: everything in turn")
 axes[1].set_xlabel("time (s)")
 fig.tight_layout()
-fig.savefig("../figures/02_default_stream_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/02_default_stream_cpu.png", dpi=110)
 
 # %% [markdown]
 # The small op waited for `a`, and `b`, although launched on its own stream, waited for the small
@@ -281,7 +286,7 @@ ax.invert_yaxis()
 ax.set_xlabel("ms per decode step")
 ax.set_title("eager decode step, 8B shape, batch 32, one H200 (recorded)", loc="left", fontsize=10)
 fig.tight_layout()
-fig.savefig("../figures/02_launch_overhead_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/02_launch_overhead_gpu.png", dpi=110)
 
 # %% [markdown]
 # About 1,700 launches per step. The CPU needs longer to launch a step's kernels than the GPU needs
@@ -377,7 +382,7 @@ tl_broken.plot(ax=ax, end=max(sp.end for sp in tl_broken.spans) + 0.06,
                title="no synchronization: each stage runs before its input exists (orange: earlier work)")
 mark_work(ax, tl_broken)
 fig.tight_layout()
-fig.savefig("../figures/02_broken_pipeline_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/02_broken_pipeline_cpu.png", dpi=110)
 
 # %% [markdown]
 # Every stage ran before the stage it depends on, and each failure shows in a different buffer:
@@ -442,4 +447,4 @@ max_concurrency = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_02(max_concurrency)
+exercises.check_02(globals().get("max_concurrency"))

@@ -15,6 +15,7 @@
 # work *across* streams.
 
 # %%
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,10 @@ from minibatch.device import get_device
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 
@@ -212,7 +217,7 @@ for ax, with_events, title in ((axes[0], False, "without events (notebook 02): e
     mark_work(ax, tl)
 axes[0].set_xlabel("")
 fig.tight_layout()
-fig.savefig("../figures/03_pipeline_with_events_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_pipeline_with_events_cpu.png", dpi=110)
 
 # %% [markdown]
 # With events, compute could have started at 0.2 s but held until the copy landed at 0.3 s, and
@@ -270,7 +275,7 @@ print("wall time shorter than host work + device work:", tl.wall < prep.duration
 fig, ax = plt.subplots(figsize=(9, 2.4))
 tl.plot(ax=ax, title="the host prepares the next batch while the device computes")
 fig.tight_layout()
-fig.savefig("../figures/03_host_free_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_host_free_cpu.png", dpi=110)
 
 # %% [markdown]
 # The host's `wait` is only the part of the forward pass that its own work did not cover. On a
@@ -315,7 +320,7 @@ fig, ax = plt.subplots(figsize=(9, 2.4))
 start = host[("prepare", 10)].start
 tl_sync.plot(ax=ax, start=start, end=host[("update", 14)].end, title="sync loop, tiny model on this CPU: steps 10 to 14")
 fig.tight_layout()
-fig.savefig("../figures/03_sync_loop_waits_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 
 # %% [markdown]
 # Each step reads the same from left to right: prepare (blue), H2D, compute, D2H on the device
@@ -326,7 +331,10 @@ fig.savefig("../figures/03_sync_loop_waits_cpu.png", dpi=110)
 #
 # The recorded timeline of `python -m minibatch bench` in sync mode on one H200, Llama-3-8B shape
 # (bf16, random weights), 32 prompts of 256 tokens, 256 new tokens each, decode steps replayed as
-# CUDA graphs (`BENCHMARKS.md`). The device spans are measured with CUDA events on the GPU's own
+# CUDA graphs: the "graphs on, run 2" of `BENCHMARKS.md` (H200, 2026-11-29, `python -m minibatch
+# bench --model llama3-8b-shape --device cuda --modes sync,async --cuda-graphs on ...`), made with the
+# first version of the decode step (einsum attention, full sampler; notebook 07 shows how it later
+# came down from 16.2 to 10.2 ms). The device spans are measured with CUDA events on the GPU's own
 # clock, so unlike notebook 01's host-clock spans they show when the GPU actually worked. We look at
 # the decode steps from step 5 on (steps 0 to 3 prefill the 32 prompts, 2,048 tokens at a time, and
 # the first decode step is an outlier):
@@ -365,7 +373,7 @@ for n in range(100, 104):
                     arrowprops=dict(arrowstyle="<->", color="black", linewidth=0.8))
         ax.text((gap_start + gap_end) / 2, row + 0.55, "idle", ha="center", fontsize=7)
 fig.tight_layout()
-fig.savefig("../figures/03_sync_timeline_gpu_graphs.png", dpi=110)
+fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 
 # %% [markdown]
 # A decode step's compute takes 16.2 ms of GPU time, but a new one starts only every 19.7 ms: for
@@ -385,8 +393,8 @@ fig.savefig("../figures/03_sync_timeline_gpu_graphs.png", dpi=110)
 #   *slots* used in turn fix it (and CUDA graphs, one set per slot, remove launch overhead);
 # * **05**: batch N+1 needs the tokens batch N has not produced yet: a placeholder and a
 #   *carry-over* done on the device fill them in;
-# * **06**: all of it together, the asynchronous loop: on the H200 above, 16.2 ms per step, no gap,
-#   the GPU busy 100% of the time (`BENCHMARKS.md`).
+# * **06**: all of it together, the asynchronous loop: in the same H200 run its steps follow each
+#   other with no gap, the GPU busy 100% of the time (`BENCHMARKS.md`).
 #
 # ## Summary
 #
@@ -414,4 +422,4 @@ pipeline = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_03(pipeline)
+exercises.check_03(globals().get("pipeline"))

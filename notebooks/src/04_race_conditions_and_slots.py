@@ -9,6 +9,7 @@
 
 # %%
 import json
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -20,6 +21,10 @@ from minibatch.step import ROW_BUCKETS, StepRunner
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 
@@ -92,18 +97,39 @@ for o in broken:
 print("same as the reference?", broken == reference)
 
 # %% [markdown]
-# Wrong text: the continuations changed and drift into nonsense words, because each step computed
-# with the inputs (token ids, positions, cache cells) of another step. Which wrong tokens come out
-# depends on timing; that they are wrong does not. The timeline shows why: each `prepare` (the host
-# writing the slot, the thin blue marks) happens while the H2D stream still sleeps (orange), so the
-# copy that follows carries the newer step's inputs.
+# Wrong text: the continuations changed and drift into nonsense words, because a step computed
+# with the inputs (token ids, positions, cache cells) of another step. The timeline shows where.
+# Step 0's copy waits 30 ms on the H2D stream; the host, free at once, prepares step 1 into the same
+# slot, so when the copy finally runs it carries step 1's inputs (red label): step 0's forward pass
+# reads step 1's token ids, positions and cache cells in the rows step 1 filled, the prompts' keys
+# land in the wrong places of the KV cache, and every later token is sampled from that wrong cache. (With one slot the host also waits
+# on the slot's one D2H-done event, which each launch records again; that keeps the later copies in
+# step with their own inputs, but the damage of step 0 is done.) Which wrong tokens come out depends
+# on timing; that they are wrong does not.
 
 # %%
-fig, ax = plt.subplots(figsize=(10, 2.6))
-start = [s for s in tl_bad.spans if s.name == "prepare" and s.step == 4][0].start
-tl_bad.plot(ax=ax, start=start, end=start + 0.25, title="one slot, H2D delayed 30 ms: prepare overwrites the slot")
+# NBVAL_IGNORE_OUTPUT
+# which step's inputs did each copy carry? those of the last prepare that had finished writing the slot
+prepares = sorted((s for s in tl_bad.spans if s.name == "prepare"), key=lambda s: s.end)
+copies = sorted((s for s in tl_bad.spans if s.name == "H2D"), key=lambda s: s.start)
+carried = {c.step: [p.step for p in prepares if p.end <= c.start][-1] for c in copies}
+print("copies that carried another step's inputs:",
+      {f"step {n}": f"step {k}'s inputs" for n, k in carried.items() if k != n})
+t0 = prepares[0].start
+t1 = [s for s in tl_bad.spans if s.name == "compute" and s.step == 2][0].end
+t1 += 0.08 * (t1 - t0)
+fig, ax = plt.subplots(figsize=(10, 3.0))
+tl_bad.plot(ax=ax, start=t0, end=t1, step_labels=True,
+            title="one slot, H2D delayed 30 ms (numbers: steps; labels: whose inputs each copy carried)")
+for c in copies:
+    if c.start <= t1:
+        wrong = carried[c.step] != c.step
+        ax.annotate(f"copy {c.step} carries step {carried[c.step]}", xy=(c.start - t0, 1.3), xytext=(-4, 0),
+                    textcoords="offset points", ha="right", va="center", fontsize=8,
+                    color="#C44E52" if wrong else "black", fontweight="bold" if wrong else "normal",
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
 fig.tight_layout()
-fig.savefig("../figures/04_one_slot_race_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/04_one_slot_race_cpu.png", dpi=110)
 
 # %% [markdown]
 # Two slots, same delay: batch N+1 goes into the other slot, and the host comes back to a slot only
@@ -190,7 +216,7 @@ ax.bar(["slot A", "slot B\n(shared pool)", "slot B\n(own pool)"],
 ax.set_ylabel("MiB added by the capture")
 ax.set_title("two slots' graphs in one pool cost about one")
 fig.tight_layout()
-fig.savefig("../figures/04_graph_pool_memory_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/04_graph_pool_memory_gpu.png", dpi=110)
 
 # %% [markdown]
 # ## Summary
@@ -204,15 +230,17 @@ fig.savefig("../figures/04_graph_pool_memory_gpu.png", dpi=110)
 #
 # ## Exercise
 #
-# Write `graph_shape(rows, longest_context, kv_bucket)` returning the `(rows, keys per row)` of the
-# CUDA graph a decode step would replay: rows padded with `bucket(rows, ROW_BUCKETS)`, keys per row
-# rounded up to a multiple of `kv_bucket` (a row holds `longest_context + 1` keys: the context and the
-# new token).
+# A server runs decode steps one after the other, from slot A, slot B, slot A, ... Write
+# `count_graphs(steps, kv_bucket)` that returns how many CUDA graphs a run captures, where `steps`
+# lists each decode step's `(rows, longest_context)` in order. A graph is captured the first time
+# its slot meets a shape, and replayed after that; the shape is the rows padded with
+# `bucket(rows, ROW_BUCKETS)` and the keys per row (context plus the new token) rounded up to a
+# multiple of `kv_bucket`.
 
 # %%
-graph_shape = None  # replace with your function
+count_graphs = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_04(graph_shape)
+exercises.check_04(globals().get("count_graphs"))

@@ -14,6 +14,8 @@
 # *data transmission* hazard: batch N+1 needs tokens that batch N is still computing.
 
 # %%
+import os
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -23,6 +25,10 @@ from minibatch.requests import Request, RequestState, SamplingParams
 from minibatch.scheduler import Scheduler
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 torch.set_num_threads(1)  # the tiny model gains nothing from more; on a busy 2-core machine two threads stall
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
@@ -129,6 +135,42 @@ for name, t in [("gathered", prev_output[: len(toy_mask)]), ("zeroed", tokens), 
 # trying to keep free of them, and a CUDA graph cannot capture it. (The exercise asks you to write
 # a scatter version that avoids this.)
 #
+# **Beside the article.** The article lists its four operations as *select* (batch N's output
+# tokens), *zero* (those not carried over), *truncate* (to batch N+1's length) and *add*. Ours are
+# *gather* (the first `len(mask)` output rows), *zero* (rows whose mask is -1), *place* (`index_add`
+# to the position the mask names) and *add*. Same idea, a different mask: ours is indexed by batch
+# N's output row and names a destination, so placing is an operation of its own and nothing needs
+# truncating (the placed tensor already has batch N+1's length); in the article's version the
+# selection lines the tokens up with batch N+1's positions and truncation cuts the rest. Either way:
+# fixed shapes, no host round trip, placeholders 0 so that adding writes.
+#
+# **How big is an IO slot?** The article notes that doubling the IO tensors costs little *when no
+# attention mask is needed*: a flash-attention kernel reads the paged cache through each request's
+# block table and cumulative lengths, a few numbers per request. Our attention (SDPA or an einsum
+# over gathered keys, `minibatch/attention.py`) needs the keys laid out and masked, so each slot also
+# carries a key list, three int64 entries per key read (`kv_indices`, `kv_seq`, `kv_pos`); the device
+# builds the boolean mask from them. For the decode step of the H200 runs (32 rows, contexts up to
+# 512 tokens, keys padded to multiples of 64):
+
+# %%
+def io_sizes(rows=32, context=512, kv_bucket=64, block_size=16):
+    """Bytes of one decode step's IO tensors (ours) and of what a flash-attention kernel reads instead."""
+    keys = rows * -(-(context + 1) // kv_bucket) * kv_bucket  # the decode layout: [rows, L] keys
+    return {"per-token inputs": 4 * rows * 8,  # input_ids, positions, q_seq, slot_mapping: int64 per token
+            "key lists": 3 * keys * 8,  # kv_indices, kv_seq, kv_pos
+            "device mask": keys,  # the boolean mask built on the device, one byte per (row, key)
+            "block tables + lengths": rows * -(-context // block_size) * 4 + (rows + 1) * 4}
+
+
+print(" | ".join(f"{name} {size / 1e3:.1f} kB" for name, size in io_sizes().items()))
+
+# %% [markdown]
+# So our slots are about a hundred times larger than they would need to be with a flash kernel,
+# and still under half a megabyte each: two of them cost nothing next to 16 GB of weights. A mixed
+# prefill/decode step with the flat layout is larger: its mask is [tokens, keys], e.g. 512 prefill
+# tokens against 8192 keys is 4 MB, built on the device, not copied. The Triton decode kernel
+# (`minibatch/triton_decode.py`, notebook 07) reads the block tables in place, as flash attention does.
+#
 # Now the same four lines on the real pair of batches from section 1, with batch N's real
 # output:
 
@@ -185,12 +227,14 @@ def draw_carry_over(plan_n, plan_next, out, mask, host_ids, patched, ax):
     for i, (c, t) in enumerate(zip(rows, out)):
         ax.add_patch(plt.Rectangle((x0 + i, 2), 0.9, 0.6, color=colours(c.request.rid), alpha=0.35))
         ax.text(x0 + i + 0.45, 2.3, f"r{c.request.rid}: {label(t)}\n{t}", ha="center", va="center", fontsize=8)
-        ax.text(x0 + i + 0.45, 2.75, f"mask {mask[i]}", ha="center", fontsize=8)
+        goes_nowhere = mask[i] < 0
+        ax.text(x0 + i + 0.45, 2.75, f"mask {mask[i]}" + (" ✗" if goes_nowhere else ""), ha="center", fontsize=8,
+                color="red" if goes_nowhere else "black")
         if mask[i] >= 0:
             ax.annotate("", xy=(mask[i] + 0.45, 1.2), xytext=(x0 + i + 0.45, 2),
                         arrowprops=dict(arrowstyle="->", color=colours(c.request.rid), lw=1.5))
-        else:
-            ax.text(x0 + i + 0.45, 1.75, "✗", ha="center", va="center", color="red", fontsize=14)
+        else:  # goes nowhere: a red frame and cross on its own box, clear of the other rows' arrows
+            ax.add_patch(plt.Rectangle((x0 + i, 2), 0.9, 0.6, fill=False, edgecolor="red", lw=1.2))
     for y, ids, dashed in ((0.6, host_ids, True), (-0.6, patched, False)):
         for j, t in enumerate(ids):
             hole = dashed and j in mask
@@ -211,7 +255,7 @@ fig, ax = plt.subplots(figsize=(9, 3.2))
 draw_carry_over(plan_n, plan_next, out_n.tolist(), mask, batch_next.input_ids.tolist(), patched_next.tolist(), ax)
 ax.set_title(f"carry-over from step {plan_n.step} to step {plan_next.step} (colour = request)")
 fig.tight_layout()
-fig.savefig("../figures/05_carry_over_mask.png", dpi=110)
+fig.savefig(f"{FIGURES}/05_carry_over_mask.png", dpi=110)
 
 # %% [markdown]
 # ## 5. What goes wrong without carry-over
@@ -330,4 +374,4 @@ scatter_carry_over = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_05(scatter_carry_over)
+exercises.check_05(globals().get("scatter_carry_over"))

@@ -12,13 +12,13 @@
 # %%
 import glob
 import io
+import os
 import time
 from functools import partial
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
-from IPython.display import display
+from IPython.display import Image, display
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -33,6 +33,10 @@ from minibatch.step import forward_step, launch_step
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 model = minibatch.load_model("tiny", device="cpu")
 tok = model.tokenizer
 EOS = tok.eos_token_id
@@ -194,18 +198,22 @@ LANES = ("CPU", "H2D", "compute", "D2H")
 
 
 def draw(spans, ax, start, end, title=""):
-    """Gantt chart of spans between start and end (seconds), coloured by slot; grey = host waits."""
+    """Gantt chart of spans between start and end (seconds), coloured by slot; grey = host waits, red = draws."""
+    spans = [s for s in spans if s.end >= start and s.start <= end]
     for row, lane in enumerate(LANES):
+        groups = {}  # one broken_barh call per lane and style: much cheaper than one per span
         for s in spans:
-            if s.lane != lane or s.end < start or s.start > end:
-                continue
-            colour = "#DDDDDD" if s.name == "wait" else SLOT_COLOURS.get(s.slot, "#999999")
-            ax.broken_barh([(s.start - start, s.duration)], (row - 0.4, 0.8), facecolors=colour,
-                           alpha=0.35 if s.name == "delay" else 1.0, hatch="///" if s.name == "update" else None,
-                           edgecolor="white", linewidth=0.3)
-            if s.name in ("prepare", "compute") and s.duration > 0.025 * (end - start):
-                ax.text(s.start - start + s.duration / 2, row, str(s.step), ha="center", va="center",
-                        fontsize=7, color="white")
+            if s.lane == lane:
+                style = (0.35 if s.name == "delay" else 1.0, "///" if s.name == "update" else None)
+                colour = {"wait": "#DDDDDD", "draw": "#C44E52"}.get(s.name, SLOT_COLOURS.get(s.slot, "#999999"))
+                groups.setdefault(style, []).append(((s.start - start, s.duration), colour))
+        for (alpha, hatch), bars in groups.items():
+            ax.broken_barh([b for b, _ in bars], (row - 0.4, 0.8), facecolors=[c for _, c in bars], alpha=alpha,
+                           hatch=hatch, edgecolor="white", linewidth=0.3)
+    for s in spans:
+        if s.name in ("prepare", "compute") and s.duration > 0.025 * (end - start):
+            ax.text(s.start - start + s.duration / 2, LANES.index(s.lane), str(s.step), ha="center",
+                    va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(LANES)), LANES)
     ax.set_ylim(len(LANES) - 0.5, -0.5)
     ax.set_xlim(0, end - start)
@@ -231,7 +239,7 @@ for ax, (mode, tl) in zip(axes, timelines.items()):
 axes[1].set_xlabel("time (s)")
 fig.legend(handles=LEGEND, loc="upper right", ncol=4, fontsize=8, frameon=False)
 fig.tight_layout(rect=(0, 0, 1, 0.95))
-fig.savefig("../figures/06_sync_vs_async_timeline_cpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_cpu.png", dpi=110)
 
 # %% [markdown]
 # (The figure stored with this notebook was drawn on a 2-core CPU; yours will differ in the
@@ -248,51 +256,72 @@ fig.savefig("../figures/06_sync_vs_async_timeline_cpu.png", dpi=110)
 # ## 4. A live timeline
 #
 # `minibatch.generate(..., on_step=callback)` calls `callback(plan, finished)` on the host after
-# each step's tokens are applied. We use it to redraw the last 0.3 s of the timeline into an image
-# widget every 6 steps while the loop runs. (If you read the stored notebook rather than running
-# it, the widget is empty: widgets only live in a running kernel. A window of the finished run is
-# drawn below it.)
+# each step's tokens are applied. We use it to redraw the timeline while the loop runs: each frame
+# shows the last 10 steps. Drawing is not free (a tenth of a second or so here, the time of ten
+# steps or more), and while the host draws it does not prepare the next batch, so we draw at most
+# every quarter of a second and record each drawing as a `draw` span (red) on the host's lane, with
+# its share of the run in the title. The frames replace each other in one output; when the run
+# ends, the last frame stays there (also in the saved notebook).
 
 # %%
-def png(spans, start, end, title):
-    fig = Figure(figsize=(10, 2.2))  # not pyplot: no figure piles up in the notebook
-    ax = fig.subplots()
-    draw(spans, ax, start, end, title)
-    ax.legend(handles=LEGEND, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+DRAW_COLOUR = "#C44E52"
+LIVE_LEGEND = LEGEND + [Patch(color=DRAW_COLOUR, label="host draws")]
+live_fig = Figure(figsize=(9, 2.0))  # one figure, redrawn: not pyplot, so no figure piles up
+live_ax = live_fig.subplots()
+
+
+def frame(spans, title, last_steps=10):
+    """A PNG of the spans of the last `last_steps` steps."""
+    live_ax.clear()
+    if spans:
+        newest = max(s.step for s in spans)
+        start = min(s.start for s in spans if s.step >= newest - last_steps)
+        draw(spans, live_ax, start, max(s.end for s in spans), title)
+    else:
+        draw([], live_ax, 0.0, 0.1, title)
+    live_ax.legend(handles=LIVE_LEGEND, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    live_fig.subplots_adjust(left=0.08, right=0.84, bottom=0.15, top=0.85)  # fixed layout: cheaper than tight
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=72)
-    return buf.getvalue()
+    live_fig.savefig(buf, format="png", dpi=70)
+    return Image(data=buf.getvalue())
 
 
-live = widgets.Image(format="png", width=800)
-display(live)
 live_tl = Timeline()
+shown = display(frame([], "async loop, live: waiting for the first steps"), display_id=True)
 
 
 def on_step(plan, finished):
-    if plan.step % 6 == 0:
-        spans = list(live_tl.spans)  # the device threads keep adding spans: draw a snapshot
-        now = max(s.end for s in spans)
-        live.value = png(spans, now - 0.3, now, f"async loop, live: step {plan.step}")
+    draws = [s for s in live_tl.spans if s.name == "draw"]
+    start = live_tl.now()
+    if draws and start - draws[-1].end < 0.25:
+        return  # drew less than a quarter of a second ago
+    spans = list(live_tl.spans)  # the device threads keep adding spans: draw a snapshot
+    cost = sum(s.duration for s in draws) / (start - min(s.start for s in spans))
+    shown.update(frame(spans, f"async loop, live: the last 10 steps up to step {plan.step}; "
+                              f"drawing took {cost:.0%} of the run so far"))
+    live_tl.add("CPU", "draw", start, live_tl.now(), plan.step)
 
 
-live_out = minibatch.generate(model, mode="async", timeline=live_tl, on_step=on_step, **work)
-assert live_out == minibatch.generate(model, mode="sync", **work)
+longer = {**work, "max_new_tokens": 96}  # a run long enough for a few frames
+live_out = minibatch.generate(model, mode="async", timeline=live_tl, on_step=on_step, **longer)
+assert live_out == minibatch.generate(model, mode="sync", **longer)
+shown.update(frame(live_tl.spans, "async loop, the last 10 steps of the run (final frame)"))
+
+# %% [markdown]
+# A closer look at one drawing, from the recorded timeline: 50 ms either side of the last `draw`.
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 2.2))
-mid = next(s.start for s in live_tl.spans if s.name == "prepare" and s.step == 19)
-draw(live_tl.spans, ax, mid, mid + 0.4, "async loop with a live plot: 0.4 s from step 19 on")
-ax.legend(handles=LEGEND, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+last_draw = [s for s in live_tl.spans if s.name == "draw"][-1]
+draw(live_tl.spans, ax, last_draw.start - 0.05, last_draw.end + 0.05,
+     f"async loop with a live plot: around the draw after step {last_draw.step}")
+ax.legend(handles=LIVE_LEGEND, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 fig.tight_layout()
 
 # %% [markdown]
-# Every sixth step the host spends about a tenth of a second drawing, and you can see it in the
-# timeline: after the update of steps 24, 30, 36, … there is a long stretch with nothing on any
-# lane. The host was busy drawing (which records no span), and the device finished the one batch
-# it had been given and ran out of work. An observer is never free: a real server records spans
-# (cheap) and draws them somewhere else.
+# While the host draws (red), nothing new reaches the device: it finishes the one batch it had
+# been given and then sits idle until the host comes back, prepares the next batch and launches
+# it. An observer is never free: a real server records spans (cheap) and draws them somewhere else.
 #
 # ## 5. Sync and async, side by side, on this machine
 #
@@ -352,8 +381,9 @@ for name, extra in [("tiny model, emulated on CPU", {}),
 # synchronous loop and 99.4% in the asynchronous one, 22% less wall time. We recorded
 # `python -m minibatch bench --modes sync,async` on one H200 (Llama-3-8B shape with random
 # weights, bfloat16, 32 prompts of 256 tokens, 256 new tokens each), once eager and once with CUDA
-# graphs, and later once more with the faster decode step of notebook 07 ("sdpa": 10.3 instead of
-# 16.2 ms per step). The timelines are committed as `figures/data/gpu_sync_*.json` and
+# graphs (`BENCHMARKS.md`, 2026-11-29, "graphs on, run 2": 16.2 ms per decode step), and later once
+# more with the faster decode step of notebook 07 ("sdpa": 10.3 ms per decode step, run A of the
+# "Headline" section of `BENCHMARKS.md`, `scripts/gpu/final2.sh`, keys padded to 256). The timelines are committed as `figures/data/gpu_sync_*.json` and
 # `gpu_async_*.json`, so the cell below redraws them without a GPU (and says so if they are missing). On a GPU the device
 # spans are timed with CUDA events, on the GPU's own clock.
 
@@ -381,7 +411,7 @@ for path in recordings:
     axes[-1, 0].set_xlabel("time (s)")
     fig.legend(handles=LEGEND, loc="upper right", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(f"../figures/06_sync_vs_async_timeline_gpu_{name}.png", dpi=110)
+    fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_gpu_{name}.png", dpi=110)
 
 # %% [markdown]
 # With CUDA graphs we find the article's result: the GPU goes from about 80% busy to all but 100%,
@@ -428,4 +458,4 @@ compute_gaps = None  # replace with your function
 # %%
 import exercises
 
-exercises.check_06(compute_gaps)
+exercises.check_06(globals().get("compute_gaps"))

@@ -12,6 +12,7 @@
 
 # %%
 import json
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -22,6 +23,10 @@ from minibatch import bench
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
+# figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
+# tracked ones in figures/
+FIGURES = os.environ.get("MINIBATCH_FIGURES", "../out/figures")
+os.makedirs(FIGURES, exist_ok=True)
 DATA = "../figures/data/"
 
 # %% [markdown]
@@ -104,7 +109,7 @@ for ax, (mode, tl) in zip(axes, timelines.items()):
 axes[1].set_xlabel("time since start (s), 50 ms windows")
 fig.suptitle("8B shape, batch 32, 256 new tokens, H200 (CUDA graphs)")
 fig.tight_layout()
-fig.savefig("../figures/07_busy_over_time_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_busy_over_time_gpu.png", dpi=110)
 
 # %% [markdown]
 # The sync plot sits near 0.8 for the whole decode phase: every step the GPU waits about 2.5 ms while
@@ -147,9 +152,12 @@ for i, (_, ms) in enumerate(steps_ab[::-1]):
 ax.set_xlim(0, 19)
 ax.set_xlabel("decode step, ms (H200, 8B shape, 32 rows)")
 fig.tight_layout()
-fig.savefig("../figures/07_decode_step_variants_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_decode_step_variants_gpu.png", dpi=110)
 for n, ms in steps_ab:
     print(f"{n:36} {ms:6.2f} ms  {ms / floor_ab:.2f}x floor")
+sdpa_line = next(line for line in open(DATA + "gpu_step_ab_8b.txt")
+                 if line.startswith("ctx  383") and "sdpa   greedy-fast True  bucket 256" in line)
+print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_line.split("graph")[1].split()))
 
 # %% [markdown]
 # Read it top to bottom; each of the first four bars is one more change, all measured in one process.
@@ -202,18 +210,19 @@ for name in dict.fromkeys(r["model"] for r in sweep):
     mine = [r for r in sweep if r["model"] == name]
     x = [r["batch"] for r in mine]
     ax1.plot(x, [r["wall_ratio"] for r in mine], "o-", label=name)
-    line, = ax2.plot(x, [r["async"]["device_busy"] for r in mine], "o-", label=f"{name} async")
-    ax2.plot(x, [r["sync"]["device_busy"] for r in mine], "o--", color=line.get_color(), label=f"{name} sync")
+    line, = ax2.plot(x, [r["async"]["device_busy"] for r in mine], "o-")
+    ax2.plot(x, [r["sync"]["device_busy"] for r in mine], "o--", color=line.get_color())
 ax1.axhline(1.0, color="gray", lw=0.8)
 ax1.axhline(0.78, color="gray", lw=0.8, ls=":")
 ax1.set(xscale="log", xlabel="batch size", ylabel="wall time, async / sync", title="lower is better", ylim=(0.5, 1.05))
 ax2.set(xscale="log", xlabel="batch size", ylabel="device busy", title="device busy (dashed: sync)", ylim=(0.5, 1.02))
 for ax in (ax1, ax2):
     ax.set_xticks([1, 4, 16, 32, 64], ["1", "4", "16", "32", "64"])
-ax1.legend(fontsize=7)
-ax2.legend(fontsize=6, ncol=2)
+ax1.legend(fontsize=8, title="model shape (colours: both panels)", title_fontsize=8)
+ax2.legend(handles=[plt.Line2D([], [], color="black", ls="-", marker="o", label="async"),
+                    plt.Line2D([], [], color="black", ls="--", marker="o", label="sync")], fontsize=8)
 fig.tight_layout()
-fig.savefig("../figures/07_sweep_gpu.png", dpi=110)
+fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
     print(f"{r['model']:17} batch {r['batch']:3}: ratio {r['wall_ratio']:.2f}, busy "
           f"{r['sync']['device_busy']:.0%} -> {r['async']['device_busy']:.0%}")
@@ -242,7 +251,7 @@ print("".join(open(DATA + "gpu_profile_async_8b.txt").readlines()[:3]))
 # At the scale of steps they agree (98.8% against 98.9% once gaps shorter than 1 ms are counted as
 # busy). At the scale of kernels the device is idle 16% of the time, in gaps our events cannot see:
 # about 6 points in gaps under 5 µs, the launch gaps between consecutive kernels of a replayed CUDA
-# graph (section 3 measured about 0.6 ms of a 10.2 ms step); the other 10 in gaps of 5 µs to 1 ms,
+# graph (section 3's kernel table: 0.58 ms of gaps in a 10.21 ms step); the other 10 in gaps of 5 µs to 1 ms,
 # between graph replays, around the copies and inside the eagerly run prefill steps (this profiled
 # run is short, 64 new tokens, so its prefill weighs more), with the profiler's own overhead in all
 # of them. Two measures, two questions: "does the device wait for the host?" (ours) and "is a
@@ -286,8 +295,11 @@ for mode, ttft in runs.items():
 
 # %% [markdown]
 # Same steps. In seconds, each step of the async loop is shorter on a GPU (no host gap), so its first
-# tokens come sooner, not later; on this CPU, where the async loop is no faster, they come at about
-# the same time:
+# tokens come sooner, not later. On a CPU the async loop is no faster (notebook 06, section 5), and
+# this ratio, measured over a run of a second or so, swings with whatever else the machine does:
+# from 0.57 to 1.59 over five back-to-back runs on a shared 2-core machine (the stored output below
+# is one more run; `python scripts/ttft_cpu.py --runs 5` repeats it). Steps, not seconds, are the
+# comparison that holds here:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -350,17 +362,21 @@ else:
 #
 # ## Exercise
 #
-# Write `busy_fraction(spans)` that takes a list of `(start, end)` intervals (device spans, possibly
-# overlapping) and returns the fraction of the whole time range, from the earliest start to the latest
-# end, covered by at least one interval. This is how `Timeline.device_busy` counts.
+# A back-of-the-envelope model of section 1's ratio. Write `async_over_sync(host, device)` that takes
+# each step's host time and device time (two lists of the same length) and returns the predicted wall
+# time of the async loop divided by the sync loop's. The sync loop takes turns: each step costs host
+# plus device. The async loop prepares step 0 on the host alone; from then on, while the device runs
+# step n, the host prepares step n+1, and step n+1 starts on the device when both are done. Then try
+# it: with the device busy 83% of a sync step, what ratio does it predict, and why can async never
+# beat the sync loop's busy fraction?
 
 # %%
-busy_fraction = None  # replace with your function
+async_over_sync = None  # replace with your function
 
 # %%
 import exercises
 
-exercises.check_07(busy_fraction)
+exercises.check_07(globals().get("async_over_sync"))
 
 # %% [markdown]
 # ## 9. When the host is slower than the device
@@ -423,7 +439,7 @@ for h in (1.0, 2.0, 4.0, 6.0, 8.0):
 # %% [markdown]
 # Below the crossing, shaving host time gains nothing; above it, every host millisecond is a device
 # millisecond lost. The remedies attack the host's work per step, not the overlap: build each batch
-# from what changed since the last one (a decode step moves each request by one token: `batch.py`
+# from what changed since the last one (a decode step moves each request by one token: `decode_keys.py`
 # updates its key table by one cell per row instead of rebuilding it), keep per-request facts (the
 # cells of its block table) instead of recomputing them, and vectorize what would be Python per row.
 # `scripts/host_cost.py` times each part of the host's step; BENCHMARKS.md ("Host cost per step") has
