@@ -167,7 +167,7 @@ print("one slot correct?", compute_bad == reference, "  two slots correct?", com
 # * shapes come from **buckets**: decode steps are padded to a row count from `ROW_BUCKETS` and a
 #   key length that is a multiple of a bucket (`model.decode_kv_bucket`: 64 keys on a GPU, 256 when
 #   the step is compiled), and each (slot, rows, keys) gets its own graph, captured the first time
-#   it comes up (`minibatch/graphs.py`). A finer bucket pads less but needs more graphs;
+#   it comes up (`minibatch/step.py`). A finer bucket pads less but needs more graphs;
 #   notebook 07 measures what 64 instead of 256 saves;
 # * all graphs share **one memory pool**: they never run at the same time, so the scratch memory of
 #   one can be reused by the next.

@@ -156,7 +156,7 @@ for name, t in [("gathered", prev_output[: len(toy_mask)]), ("zeroed", tokens), 
 def io_sizes(rows=32, context=512, kv_bucket=64, block_size=16):
     """Bytes of one decode step's IO tensors (ours) and of what a flash-attention kernel reads instead."""
     keys = rows * -(-(context + 1) // kv_bucket) * kv_bucket  # the decode layout: [rows, L] keys
-    return {"per-token inputs": 4 * rows * 8,  # input_ids, positions, q_seq, slot_mapping: int64 per token
+    return {"per-token inputs": 4 * rows * 8,  # input_ids, positions, q_seq, cell_mapping: int64 per token
             "key lists": 3 * keys * 8,  # kv_indices, kv_seq, kv_pos
             "device mask": keys,  # the boolean mask built on the device, one byte per (row, key)
             "block tables + lengths": rows * -(-context // block_size) * 4 + (rows + 1) * 4}
