@@ -31,21 +31,20 @@ unusable: the device then counts as failed (sticky, like any device error) and i
 from __future__ import annotations
 
 import atexit
-import gc
 import itertools
 import multiprocessing
 import os
 import pickle
+import socket
 import time
-import warnings
 import weakref
-from multiprocessing.reduction import send_handle
+from multiprocessing.reduction import sendfds
 
 import torch
 
 from . import device_process
 from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
-from .thread_device import SWITCH_INTERVAL
+from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
 
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
 GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated
@@ -116,14 +115,14 @@ class CpuDevice(Device):
     kind = "cpu"
 
     def __init__(self, timeline=None, switch_interval: float = SWITCH_INTERVAL,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, inherit=()) -> None:
         if "fork" not in multiprocessing.get_all_start_methods():
             raise DeviceError("the 'cpu' device forks a device process, and this platform cannot fork; "
                               "use get_device('cpu-threads') (threads of this interpreter, no overlap of Python work)")
         if torch_threads is None:  # the host keeps one core
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
             torch_threads = max(1, cores - 1)
-        self._closed, self._error, self._broken = False, None, False
+        self._closed, self._error, self._broken, self._holds_threads = False, None, False, False
         self._streams: dict[str, CpuStream] = {}
         self._events: dict[int, CpuEvent] = {}
         self._keys = itertools.count(1)
@@ -134,19 +133,28 @@ class CpuDevice(Device):
         self._timelines: dict[int, object] = {}
         self._timeline_key = None
         self._queue: list[bytes] = []  # messages not sent yet
+        self._fds: list[int] = []  # file descriptors of the queued storages
         t0 = time.perf_counter()
-        # objects that stay on the device and exist now are inherited: named by address after the fork
-        kinds = device_process.resident_types()
-        with warnings.catch_warnings():  # isinstance on some lazy module objects warns
-            warnings.simplefilter("ignore")
-            self._forked = {id(o): weakref.ref(o) for o in gc.get_objects() if isinstance(o, kinds)}
+        # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
+        # device names them by address instead of receiving a copy (a scan of every object for them
+        # took longer than the fork itself)
+        self._forked = {}
+        for obj in inherit:
+            held = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)] if hasattr(obj, "__dict__") else []
+            for o in [obj, *held, *(m for h in held for m in h.modules())]:
+                self._forked[id(o)] = weakref.ref(o)
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
         self._proc = ctx.Process(target=device_process.serve, name="minibatch-device", daemon=True,
                                  args=(child, self._conn, switch_interval, torch_threads))
         self._proc.start()
         child.close()
+        self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
         _open.add(self)
+        # the host's torch work (building batches) gets one thread: a second one would wait for a core
+        # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
+        TORCH_THREADS.hold(1)
+        self._holds_threads = True
         try:
             if not self._conn.poll(START_TIMEOUT):
                 raise DeviceError(f"the device process did not start within {START_TIMEOUT:g} s")
@@ -192,7 +200,7 @@ class CpuDevice(Device):
         storage = t.untyped_storage()
         fd, nbytes = storage._share_fd_cpu_()
         key, ptr = next(self._keys), storage.data_ptr()
-        self._send(("s", key, nbytes), fd)
+        self._send(("s", key, nbytes), os.dup(fd))  # a duplicate: the storage may go before the queue does
         self._storage_keys[ptr] = key
         # views keep their base alive, so the storage is dropped when the last view goes
         weakref.finalize(t, self._drop_storage, ptr, key)
@@ -216,11 +224,14 @@ class CpuDevice(Device):
             return
         self._closed = True
         _open.discard(self)
+        if self._holds_threads:  # first: a second interrupt during the grace period changes nothing
+            self._holds_threads = False
+            TORCH_THREADS.release()
         proc = self._proc
         try:
             if not self._broken:
                 try:
-                    self._conn.send_bytes(pickle.dumps([pickle.dumps(("X",))]))
+                    self._conn.send_bytes(pickle.dumps(([pickle.dumps(("X",))], 0)))
                 except OSError:
                     pass
             proc.join(GRACE)
@@ -232,6 +243,10 @@ class CpuDevice(Device):
                 proc.kill()
                 proc.join()
             self._conn.close()
+            self._sock.close()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
 
     # --- messages -------------------------------------------------------------------------------------
     def reference(self, obj, pickler):
@@ -296,29 +311,35 @@ class CpuDevice(Device):
 
     def _send(self, msg, fd: int | None = None, flush: bool = False) -> None:
         self._check()
-        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush or fd is not None, fd)
+        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush, fd)
 
     def _post(self, item: bytes, flush: bool, fd: int | None = None) -> None:
-        """Queue a message; with `flush`, send the queue as one write (and then `fd`, if given)."""
+        """Queue a message (and a file descriptor that goes with it); with `flush`, send the queue."""
         if self._dropped_storages or self._dropped_objects:
             storages, objects = self._dropped_storages[:], self._dropped_objects[:]
             del self._dropped_storages[:len(storages)], self._dropped_objects[:len(objects)]
             self._queue.append(pickle.dumps(("F", storages, objects)))
         self._queue.append(item)
+        if fd is not None:
+            self._fds.append(fd)
         if flush:
-            self._flush(fd)
+            self._flush()
 
-    def _flush(self, fd: int | None = None) -> None:
+    def _flush(self) -> None:
+        """Send the queued messages as one write, then their file descriptors as one more."""
         if not self._queue or self._broken:
             return
-        batch, self._queue = self._queue, []
+        batch, fds, self._queue, self._fds = self._queue, self._fds, [], []
         try:
-            self._conn.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            if fd is not None:
-                send_handle(self._conn, fd, self._proc.pid)
+            self._conn.send_bytes(pickle.dumps((batch, len(fds)), protocol=pickle.HIGHEST_PROTOCOL))
+            if fds:
+                sendfds(self._sock, fds)
         except BaseException as exc:
             self._fail_channel(exc)
             raise
+        finally:
+            for fd in fds:
+                os.close(fd)
         self._drain()  # keep the reply channel from filling up while the host only launches
 
     def _fail_channel(self, exc: BaseException) -> None:

@@ -52,16 +52,19 @@ BACKENDS = ("cpu", "cpu-threads", "cuda")
 __all__ = ["get_device", "BACKENDS", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
 
 
-def get_device(kind: str = "cpu", timeline=None, **options) -> Device:
+def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Device:
     """Open the device layer: "cpu" (an emulated device process), "cpu-threads" (emulated with threads of
     this process) or "cuda"/"cuda:N" (a GPU).
 
     `timeline` (a minibatch.timeline.Timeline or None) receives a span per launch and copy. Options go
-    to the backend (cpu: `switch_interval`, `torch_threads`). Close the device, or use it in a `with`.
+    to the backend (cpu, cpu-threads: `switch_interval`, `torch_threads`). `inherit`: objects device work
+    will use that exist now (the model): the cpu device's process inherits them when it forks, instead
+    of receiving a copy at the first launch; other backends share them with the host anyway.
+    Close the device, or use it in a `with`.
     """
     name = str(kind)
     if name == "cpu":
-        return CpuDevice(timeline, **options)
+        return CpuDevice(timeline, inherit=inherit, **options)
     if name == "cpu-threads":
         return ThreadDevice(timeline, **options)
     if name == "cuda" or name.startswith("cuda:"):

@@ -7,12 +7,13 @@ the work on the thread engine of thread_device.py, one worker per stream, and an
 reached, spans and errors.
 
 Messages, host -> device (tuples, pickled with `Pickler` below; the host queues them and sends the
-queue as one write at each launch, synchronize or query):
+queue as one write at each launch, synchronize or query, then the file descriptors of the queued
+storages as one more):
 
     ("L", stream, fn, args, opts, grad, inference, timeline)   launch fn(*args)
     ("S", stream, seconds, opts, timeline)                     sleep (an injected delay)
     ("R" | "W", stream, event)                                 record / wait
-    ("s", key, nbytes), then a file descriptor                 a new shared-memory storage
+    ("s", key, nbytes)                                         a new shared-memory storage
     ("F", storage keys, object keys)                           the host dropped these
     ("X",)                                                     exit now
 
@@ -34,13 +35,16 @@ import io
 import os
 import pickle
 import signal
+import socket
+import sys
 import threading
 import time
 import traceback
+import weakref
 
 import cloudpickle
 import torch
-from multiprocessing.reduction import recv_handle
+from multiprocessing.reduction import recvfds
 
 from .device_base import DeviceError
 _RESIDENT: tuple[type, ...] | None = None
@@ -129,6 +133,8 @@ class DeviceSide:
         from .thread_device import ThreadDevice
 
         self.conn = conn
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # file descriptors come over it
+        self.fds: list[int] = []
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.views: dict[tuple, torch.Tensor] = {}
         self.objects: dict[int, object] = {}
@@ -171,7 +177,9 @@ class DeviceSide:
 
     def handle_batch(self, data: bytes) -> bool:
         """Run one batch of messages (the host sends what it queued at each launch); False: exit."""
-        for item in pickle.loads(data):
+        items, nfds = pickle.loads(data)
+        self.fds = list(recvfds(self.sock, nfds)) if nfds else []
+        for item in items:
             try:
                 msg = pickle.loads(item)
             except BaseException as exc:  # noqa: BLE001 — bad work must fail the device, not kill it
@@ -206,7 +214,7 @@ class DeviceSide:
             self.dev.timeline = self.sink(tl)
             self.dev.stream(stream).sleep(seconds, **opts)
         elif op == "s":
-            fd = recv_handle(self.conn)
+            fd = self.fds.pop(0)
             try:
                 self.storages[msg[1]] = torch.UntypedStorage._new_shared_fd_cpu(fd, msg[2])
             finally:
@@ -230,6 +238,11 @@ def serve(conn, host_conn, switch_interval: float, torch_threads: int) -> None:
         host_conn.close()  # our copy of the host's end: the host's exit must reach us as end-of-file
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle; it then closes us
         torch.set_num_threads(torch_threads)
+        from . import thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
+
+        td.SWITCH = td.ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
+        td.TORCH_THREADS = td.ProcessSetting(torch.get_num_threads, torch.set_num_threads)
+        td._open = weakref.WeakSet()
         side = DeviceSide(conn, switch_interval, torch_threads)
         side.reply(("k",))
         while True:

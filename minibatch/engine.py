@@ -239,7 +239,7 @@ class Engine:
     # --- resources ----------------------------------------------------------------------------------
     def _device(self):
         if self.dev is None:
-            self.dev = get_device(str(self.model.device))
+            self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
         return self.dev
 
     def _resources(self, shape: _Shape) -> Resources:

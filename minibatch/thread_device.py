@@ -52,30 +52,33 @@ from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
-_settings_lock = threading.Lock()
-_open_devices = 0
-_saved_settings: tuple[float, int] | None = None
 _open: "weakref.WeakSet[ThreadDevice]" = weakref.WeakSet()
 
 
-def _acquire_settings(switch_interval: float, torch_threads: int) -> None:
-    """The first open cpu device sets the GIL switch interval and torch threads; the last one restores them."""
-    global _open_devices, _saved_settings
-    with _settings_lock:
-        if _open_devices == 0:
-            _saved_settings = (sys.getswitchinterval(), torch.get_num_threads())
-            sys.setswitchinterval(switch_interval)
-            torch.set_num_threads(torch_threads)
-        _open_devices += 1
+class ProcessSetting:
+    """A process-wide setting held while devices are open: the first holder sets it, the last one
+    restores what was there. Held and released under a C-level lock (no interrupt in between)."""
+
+    def __init__(self, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        self._get, self._set, self._lock = get, set_, threading.Lock()
+        self._holders, self._saved = 0, None
+
+    def hold(self, value) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._saved = self._get()
+                self._set(value)
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                self._set(self._saved)
 
 
-def _release_settings() -> None:
-    global _open_devices
-    with _settings_lock:
-        _open_devices -= 1
-        if _open_devices == 0 and _saved_settings is not None:
-            sys.setswitchinterval(_saved_settings[0])
-            torch.set_num_threads(_saved_settings[1])
+SWITCH = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
+TORCH_THREADS = ProcessSetting(torch.get_num_threads, torch.set_num_threads)
 
 
 class _Work:
@@ -260,7 +263,8 @@ class ThreadDevice(Device):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
             torch_threads = max(1, cores - 1)
         self._torch_threads = torch_threads
-        _acquire_settings(switch_interval, torch_threads)
+        SWITCH.hold(switch_interval)
+        TORCH_THREADS.hold(torch_threads)
         self._settings_held = True
         _open.add(self)
         self.default_stream = ThreadStream(self, "default", default=True)
@@ -297,7 +301,8 @@ class ThreadDevice(Device):
             # before waiting for the workers: a second interrupt during the wait leaves no setting changed
             if self._settings_held:
                 self._settings_held = False
-                _release_settings()
+                SWITCH.release()
+                TORCH_THREADS.release()
         _open.discard(self)
         for s in list(self._streams.values()):
             if s._thread is not threading.current_thread():
