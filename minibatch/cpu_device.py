@@ -43,7 +43,7 @@ from multiprocessing.reduction import sendfds
 import torch
 
 from . import device_process
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
 from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
 
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
@@ -92,8 +92,9 @@ class CpuStream(Stream):
 
     def record(self, event: Event) -> None:
         ev = self.dev._own(event)
+        self.dev._check()
+        ev._recorded += 1  # counted before it is queued: an interrupt between the two cannot lose a record
         self.dev._send(("R", self.name, ev.key))
-        ev._recorded += 1
 
     def wait(self, event: Event) -> None:
         ev = self.dev._own(event)
@@ -145,26 +146,31 @@ class CpuDevice(Device):
                 self._forked[id(o)] = weakref.ref(o)
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
+        self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
         self._proc = ctx.Process(target=device_process.serve, name="minibatch-device", daemon=True,
                                  args=(child, self._conn, switch_interval, torch_threads))
-        self._proc.start()
-        child.close()
-        self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
-        _open.add(self)
-        # the host's torch work (building batches) gets one thread: a second one would wait for a core
-        # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
-        TORCH_THREADS.hold(1)
-        self._holds_threads = True
-        try:
-            if not self._conn.poll(START_TIMEOUT):
-                raise DeviceError(f"the device process did not start within {START_TIMEOUT:g} s")
-            self._recv()
+        try:  # from here on, whatever happens, close() leaves nothing behind
+            with deferred_interrupts():  # a half-opened device could not be closed cleanly
+                self._start(child)
         except BaseException:
+            child.close()
             self.close()
             raise
         self.startup_seconds = time.perf_counter() - t0
         self.default_stream = self.stream("default")
         self.set_timeline(timeline)
+
+    def _start(self, child) -> None:
+        _open.add(self)
+        self._proc.start()
+        child.close()
+        # the host's torch work (building batches) gets one thread: a second one would wait for a core
+        # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
+        TORCH_THREADS.hold(1)
+        self._holds_threads = True
+        if not self._conn.poll(START_TIMEOUT):
+            raise DeviceError(f"the device process did not start within {START_TIMEOUT:g} s")
+        self._recv()
 
     # --- the interface --------------------------------------------------------------------------------
     def stream(self, name: str) -> CpuStream:
@@ -220,6 +226,10 @@ class CpuDevice(Device):
             self._drain()
 
     def close(self) -> None:
+        with deferred_interrupts():  # a second Ctrl-C waits until nothing is left running
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -228,6 +238,10 @@ class CpuDevice(Device):
             self._holds_threads = False
             TORCH_THREADS.release()
         proc = self._proc
+        if proc.pid is None:  # never started
+            self._conn.close()
+            self._sock.close()
+            return
         try:
             if not self._broken:
                 try:
@@ -345,10 +359,10 @@ class CpuDevice(Device):
     def _fail_channel(self, exc: BaseException) -> None:
         """A message cut in half (an interrupt mid-send or mid-receive) or a dead process: sticky."""
         self._broken = True
-        if self._error is None:
+        if self._error is None:  # keeps no traceback: its frames would keep the run's buffers alive
             why = "interrupted in the middle of a message" if isinstance(exc, KeyboardInterrupt) else \
                 f"{type(exc).__name__}: {exc}"
-            self._error = (f"the device process cannot be reached any more ({why}); open a new device", exc)
+            self._error = (f"the device process cannot be reached any more ({why}); open a new device", None)
 
     def _recv(self) -> None:
         try:
@@ -386,6 +400,10 @@ class CpuDevice(Device):
             raise DeviceError(self._error[0]) from self._error[1]
         if self._closed:
             raise DeviceError("the device is closed")
+
+    def __del__(self) -> None:  # a device dropped unclosed (an interrupt before its owner kept it)
+        if not getattr(self, "_closed", True):
+            self.close()
 
     def _own(self, event: Event) -> CpuEvent:
         if not isinstance(event, CpuEvent) or event.dev is not self:

@@ -30,7 +30,7 @@ import torch
 from .async_loop import async_step
 from .batch import bucket
 from .device import get_device
-from .device_base import DeviceError
+from .device_base import DeviceError, deferred_interrupts
 from .model import Model
 from .requests import Request, SamplingParams
 from .scheduler import Scheduler
@@ -239,7 +239,8 @@ class Engine:
     # --- resources ----------------------------------------------------------------------------------
     def _device(self):
         if self.dev is None:
-            self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
+            with deferred_interrupts():  # an interrupt must not orphan the device between opening and keeping it
+                self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
         return self.dev
 
     def _resources(self, shape: _Shape) -> Resources:

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
@@ -263,12 +263,13 @@ class ThreadDevice(Device):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
             torch_threads = max(1, cores - 1)
         self._torch_threads = torch_threads
-        SWITCH.hold(switch_interval)
-        TORCH_THREADS.hold(torch_threads)
-        self._settings_held = True
-        _open.add(self)
-        self.default_stream = ThreadStream(self, "default", default=True)
-        self._streams["default"] = self.default_stream
+        with deferred_interrupts():  # settings held and the first worker started, or neither
+            SWITCH.hold(switch_interval)
+            TORCH_THREADS.hold(torch_threads)
+            self._settings_held = True
+            _open.add(self)
+            self.default_stream = ThreadStream(self, "default", default=True)
+            self._streams["default"] = self.default_stream
 
     def stream(self, name: str) -> ThreadStream:
         with self._lock:
@@ -292,6 +293,10 @@ class ThreadDevice(Device):
         return torch.empty(shape, dtype=dtype)
 
     def close(self, join_timeout: float = 2.0) -> None:
+        with deferred_interrupts():  # a second Ctrl-C waits until the settings are back and the workers gone
+            self._close(join_timeout)
+
+    def _close(self, join_timeout: float) -> None:
         with self._lock:
             if self._closed:
                 return
