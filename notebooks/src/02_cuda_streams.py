@@ -13,8 +13,8 @@
 # each stage finished before the next one started. To let the host and the device work at the same
 # time, the host must be able to *hand work over* and get on with its own. That is what streams
 # are for. We build the idea in a few lines first, then use `minibatch.device`, the device layer
-# every later notebook runs on. Its `cpu` backend emulates a GPU's streams with threads, so what
-# you see below really happens, on any laptop.
+# every later notebook runs on. Its `cpu` backend emulates a GPU with a second process whose streams
+# are worker threads, so what you see below really happens, on any laptop.
 
 # %%
 import queue
@@ -458,7 +458,7 @@ fig.savefig("../figures/02_broken_pipeline_cpu.png", dpi=110)
 # Different:
 #
 # * On a GPU the device work runs on the GPU's own processors and the CPU is truly free. Here it
-#   runs in worker threads of the same Python process, on the same CPU cores, under one GIL.
+#   runs in a second process on the same CPU cores: the host is free only if a core is.
 # * Two GPU kernels on two streams overlap only if neither fills the GPU; a big matmul uses every
 #   core. What overlaps best are **copies with compute**: the GPU has separate copy engines.
 # * The host cost of a launch matters more on a GPU: the recorded decode step's kernels ran for
