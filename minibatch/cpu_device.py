@@ -19,9 +19,13 @@ device's input: the races of notebook 04 stay real. Work and its arguments are p
 touch pageable host memory either. So are effects on host objects: a launched function that
 appends to a host list appends to the device process's copy of it.
 
-What it costs (BENCHMARKS.md): the start-up (a fork, ~0.1 s), a launch (pickling its arguments
-and one write to a socket, tens of microseconds) and an event round trip (~0.1-0.2 ms). Needs the
-`fork` start method (Linux; macOS has it): elsewhere opening it raises, use "cpu-threads".
+What it costs (2 shared cores; BENCHMARKS.md): the start-up, a fork, 15-20 ms (under 0.3 s on a busy
+machine); a launch, 0.1-0.2 ms of host time (pickling the work and one write to a socket; records
+and waits are queued and go with the next launch); an event round trip, 0.1-0.2 ms. A decode step
+of the tiny model (three launches, one round trip) pays that instead of a GIL shared with the device:
+on two cores the async loop then wins back most of the host's share of a step. The host keeps one
+torch thread while the device is open: a second one waits for the core the device is using.
+Needs the `fork` start method (Linux, macOS): elsewhere opening it raises; use "cpu-threads".
 
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
 devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel
