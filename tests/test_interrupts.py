@@ -50,8 +50,9 @@ def shared_fds() -> int:
     return n
 
 
-def leftovers() -> dict:
-    gc.collect()
+def leftovers(collect: bool = True) -> dict:
+    if collect:  # a device dropped by an interrupt goes with the next garbage collection
+        gc.collect()
     return {"processes": len(multiprocessing.active_children()),
             "threads": sum(t.name.startswith("minibatch-") for t in threading.enumerate()),
             "shared_fds": shared_fds(), "switch_interval": sys.getswitchinterval(),
@@ -66,7 +67,7 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
     typical = time.perf_counter() - t0
     before = leftovers()
     rng = random.Random(12)
-    slow, interrupted = [], 0
+    slow, interrupted, returns = [], 0, []
     for i in range(N):
         mode = rng.choice(["sync", "async"])
         fired = []
@@ -94,9 +95,12 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
                 pass
         if raised is not None:
             interrupted += 1
+            returns.append(raised - fired[0])
             if raised - fired[0] >= 1.0:
                 slow.append(raised - fired[0])
-        assert leftovers() == before, f"after interrupt {i}"
+        assert leftovers(collect=False) == before or leftovers() == before, f"after interrupt {i}"
+    print(f"\n{backend}: {interrupted} of {N} runs interrupted ({N // 2} twice); slowest return "
+          f"{max(returns, default=0):.3f} s, median {sorted(returns)[len(returns) // 2] if returns else 0:.3f} s")
     assert not slow, f"{len(slow)} of {interrupted} interrupted runs took over 1 s to return: {slow}"
     assert interrupted >= N // 3
     for m in ("sync", "async"):
@@ -110,21 +114,21 @@ def test_many_runs_leave_nothing_behind(random_llama):
     assert leftovers() == before
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-threads"])
-def test_the_process_exits_normally_after_an_interrupted_forward_pass(kind):
-    code = f"""
+def test_the_process_exits_normally_after_an_interrupted_forward_pass():
+    code = """
 import _thread, threading, minibatch
 from minibatch import engine
 from minibatch.device import get_device
-engine.get_device = lambda k, **kw: get_device({kind!r})
 m = minibatch.load_model("tiny")
-threading.Timer(0.5, _thread.interrupt_main).start()
-try:
-    minibatch.generate(m, [[1] * 300] * 8, max_new_tokens=200, max_batch_tokens=2048, mode="async")
-except KeyboardInterrupt:
-    print("interrupted")
+for kind in ("cpu-threads", "cpu"):  # interrupt a run on each backend mid-step, then exit
+    engine.get_device = lambda k, kind=kind, **kw: get_device(kind)
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    try:
+        minibatch.generate(m, [[1] * 300] * 8, max_new_tokens=200, max_batch_tokens=2048, mode="async")
+    except KeyboardInterrupt:
+        print("interrupted", kind)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "interrupted" in out.stdout
+    assert out.stdout.split("\n")[:2] == ["interrupted cpu-threads", "interrupted cpu"]

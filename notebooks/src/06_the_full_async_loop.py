@@ -333,9 +333,9 @@ with minibatch.Engine(model) as engine:
 
 # %% [markdown]
 # What we measured with `scripts/cpu_overlap.py` (seven alternating pairs; the tiny model, 8 prompts
-# x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine shared with
-# other jobs (load average about 3): a median async/sync ratio of 0.85, spread 0.79-0.98, device
-# busy from 69% (sync) to 94% (async), the same tokens. The asynchronous loop is faster on a CPU,
+# x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine: with nothing
+# else running, a median async/sync ratio of 0.82, spread 0.66-0.98, device busy from 71% (sync) to
+# 97% (async), the same tokens; with other people's jobs on the same cores, medians of 0.85 to 1.0. The asynchronous loop is faster on a CPU,
 # without any injected delay, because the emulated device is a **process of its own** (notebook
 # 02): its forward pass runs on one core while the host prepares the next batch on the other.
 #
