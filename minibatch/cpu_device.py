@@ -138,7 +138,7 @@ class CpuDevice(Device):
         self._timelines: dict[int, object] = {}
         self._timeline_key = None
         self._queue: list[bytes] = []  # messages not sent yet
-        self._fds: list[int] = []  # file descriptors of the queued storages
+        self._fds: list = []  # the queued storages, whose file descriptors follow the queue
         t0 = time.perf_counter()
         # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
         # device names them by address instead of receiving a copy (a scan of every object for them
@@ -208,9 +208,11 @@ class CpuDevice(Device):
             return t
         t.share_memory_()
         storage = t.untyped_storage()
-        fd, nbytes = storage._share_fd_cpu_()
+        _, nbytes = storage._share_fd_cpu_()
         key, ptr = next(self._keys), storage.data_ptr()
-        self._send(("s", key, nbytes), os.dup(fd))  # a duplicate: the storage may go before the queue does
+        # the queue keeps the storage (and so its file descriptor) alive until it is sent; no duplicate
+        # descriptor that an interrupt could leave open
+        self._send(("s", key, nbytes), storage)
         self._storage_keys[ptr] = key
         # views keep their base alive, so the storage is dropped when the last view goes
         weakref.finalize(t, self._drop_storage, ptr, key)
@@ -262,8 +264,6 @@ class CpuDevice(Device):
                 proc.join()
             self._conn.close()
             self._sock.close()
-            for fd in self._fds:
-                os.close(fd)
             self._fds = []
 
     # --- messages -------------------------------------------------------------------------------------
@@ -327,19 +327,19 @@ class CpuDevice(Device):
             del self._storage_keys[ptr]
         self._dropped_storages.append(key)
 
-    def _send(self, msg, fd: int | None = None, flush: bool = False) -> None:
+    def _send(self, msg, storage=None, flush: bool = False) -> None:
         self._check()
-        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush, fd)
+        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush, storage)
 
-    def _post(self, item: bytes, flush: bool, fd: int | None = None) -> None:
-        """Queue a message (and a file descriptor that goes with it); with `flush`, send the queue."""
+    def _post(self, item: bytes, flush: bool, storage=None) -> None:
+        """Queue a message (and a storage whose file descriptor goes with it); with `flush`, send the queue."""
         if self._dropped_storages or self._dropped_objects:
             storages, objects = self._dropped_storages[:], self._dropped_objects[:]
             del self._dropped_storages[:len(storages)], self._dropped_objects[:len(objects)]
             self._queue.append(pickle.dumps(("F", storages, objects)))
         self._queue.append(item)
-        if fd is not None:
-            self._fds.append(fd)
+        if storage is not None:
+            self._fds.append(storage)
         if flush:
             self._flush()
 
@@ -347,17 +347,14 @@ class CpuDevice(Device):
         """Send the queued messages as one write, then their file descriptors as one more."""
         if not self._queue or self._broken:
             return
-        batch, fds, self._queue, self._fds = self._queue, self._fds, [], []
+        batch, storages, self._queue, self._fds = self._queue, self._fds, [], []
         try:
-            self._conn.send_bytes(pickle.dumps((batch, len(fds)), protocol=pickle.HIGHEST_PROTOCOL))
-            if fds:
-                sendfds(self._sock, fds)
+            self._conn.send_bytes(pickle.dumps((batch, len(storages)), protocol=pickle.HIGHEST_PROTOCOL))
+            if storages:
+                sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
         except BaseException as exc:
             self._fail_channel(exc)
             raise
-        finally:
-            for fd in fds:
-                os.close(fd)
         self._drain()  # keep the reply channel from filling up while the host only launches
 
     def _fail_channel(self, exc: BaseException) -> None:
