@@ -127,13 +127,52 @@ def demo(args) -> None:
         print(f"  {p!r} -> {tok.decode(o)!r}")
     print()
     print(bench.format_table(results))
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 2.4 * len(timelines)), squeeze=False)
-    for ax, r, tl in zip(axes[:, 0], results, timelines):
-        tl.plot(ax=ax, title=f"{r.mode}: device busy {r.device_busy:.0%}, {r.tokens_per_s:.0f} tok/s")
-    fig.tight_layout()
+    fig = _demo_figure(results, timelines)
     fig.savefig(out / "demo_timeline.png", dpi=110)
-    timelines[0].to_chrome_trace(out / "demo_trace.json")
-    print(f"\nwrote {out / 'demo_timeline.png'} (timeline) and {out / 'demo_trace.json'} (open in ui.perfetto.dev)")
+    _chrome_trace(results, timelines, out / "demo_trace.json")
+    print(f"\nwrote {out / 'demo_timeline.png'} (timelines: the whole runs, and ten steps of each) and "
+          f"{out / 'demo_trace.json'} (every run; open in ui.perfetto.dev)")
+
+
+def _demo_figure(results, timelines, zoom_steps: int = 10):
+    """Left: every run on one time axis. Right: the same length of time from the middle of each run,
+    long enough for `zoom_steps` steps of the slowest one, where the overlap (or its absence) shows."""
+    import matplotlib.pyplot as plt
+
+    walls = [max(s.end for s in tl.spans) for tl in timelines]
+    mids = []
+    for tl in timelines:
+        starts = sorted({s.step: s.start for s in sorted(tl.spans, key=lambda s: -s.start)
+                         if s.lane == "CPU" and s.name == "prepare"}.items())
+        mids.append(starts[len(starts) // 2][1] if starts else 0.0)
+    periods = [tl_wall / max(r.steps, 1) for tl_wall, r in zip(walls, results)]
+    window = zoom_steps * max(periods)
+    fig, axes = plt.subplots(len(timelines), 2, figsize=(15, 2.6 * len(timelines)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for row, (r, tl, mid) in enumerate(zip(results, timelines, mids)):
+        tl.plot(ax=axes[row, 0], start=0.0, end=max(walls),
+                title=f"{r.mode}: {r.wall_s:.2f} s, device busy {r.device_busy:.0%}, {r.tokens_per_s:.0f} tok/s")
+        axes[row, 0].axvspan(mid, mid + window, color="#000000", alpha=0.08)  # the zoomed window
+        tl.plot(ax=axes[row, 1], start=mid, end=mid + window,
+                title=f"{r.mode}: {1e3 * window:.0f} ms from mid-run (shaded on the left)")
+        axes[row, 1].get_legend().remove()
+    fig.tight_layout()
+    return fig
+
+
+def _chrome_trace(results, timelines, path) -> None:
+    """Every run in one Chrome trace: a process per run, a thread per lane."""
+    import json
+    import tempfile
+
+    events = []
+    for pid, (r, tl) in enumerate(zip(results, timelines)):
+        with tempfile.TemporaryDirectory() as tmp:
+            tl.to_chrome_trace(Path(tmp) / "t.json")
+            one = json.loads((Path(tmp) / "t.json").read_text())["traceEvents"]
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": r.mode}})
+        events += [{**e, "pid": pid} for e in one]
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def bench_cmd(args) -> None:

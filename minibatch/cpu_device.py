@@ -1,133 +1,94 @@
-"""The `cpu` backend of the device layer: an emulated device whose streams really run (notebooks 02, 03).
+"""The `cpu` backend: an emulated device that is a process of its own, beside the host (notebooks 02, 03).
 
-Each stream is a worker thread that runs the work launched on it, in order, while the host thread
-goes on with its own work. Streams run concurrently with each other and with the host, so overlap
-and races are real, not drawn:
+A GPU is a second processor: once work is launched it needs nothing from the host. A thread of the
+host's own interpreter is not one: it shares the GIL, and the tiny model's forward pass (mostly
+Python) and the host's scheduling (all Python) then take turns (notes/device_overlap.md; that
+backend is still there, as `get_device("cpu-threads")`). So this device is a process, started
+(forked) when the device opens and kept until it closes, as a CUDA context is:
 
-    host     launch H2D, launch compute, … ──── prepare batch N+1 (Python) ──── sync(d2h_done)
-    H2D      █copy█ ●h2d_done
-    compute         ╎wait ████ forward (torch, releases the GIL) ████ ●done
-    D2H                                                             ╎wait █copy█ ●d2h_done
+    host process                              device process (device_process.py)
+    launch(fn, *args) ── pickled message ──▶  stream workers (thread_device.py): fn(*args)
+    record / wait     ── message ──────────▶  events, the legacy default stream
+    event.synchronize ◀── reached, spans ────  (its own GIL, its own core)
 
-`record(ev)` queues a marker; when the worker reaches it, the event is reached. `wait(ev)` queues a
-hold: the worker stops there until the event is reached (the host never waits). The default stream
-is the *legacy* default stream: its work starts only after all earlier work on every stream, and
-later work on any stream waits for it, so one launch on it serializes everything (notebook 02).
+It owns what a GPU would own: the model's weights (inherited at fork), the KV cache and the device
+side of the IO slots. `dev.empty` and `dev.pin` allocate in shared memory, so an H2D copy is a
+real copy done by the device side, and a host that rewrites a slot too early still corrupts the
+device's input: the races of notebook 04 stay real. Work and its arguments are pickled at launch
+(device_process.py says how); a plain host tensor in device work is refused, as a GPU kernel cannot
+touch pageable host memory either. So are effects on host objects: a launched function that
+appends to a host list appends to the device process's copy of it.
 
-A failure inside device work is kept and raised in the host as `DeviceError` at the next launch,
-query or synchronize on that device; like a CUDA error it is sticky (every later call raises, open a
-new device), and every worker drops its remaining work, so nothing hangs on an event that will never
-come. Every host wait takes a timeout.
+What it costs (2 shared cores; BENCHMARKS.md): the start-up, a fork, 15-20 ms (under 0.3 s on a busy
+machine); a launch, 0.1-0.2 ms of host time (pickling the work and one write to a socket; records
+and waits are queued and go with the next launch); an event round trip, 0.1-0.2 ms. A decode step
+of the tiny model (three launches, one round trip) pays that instead of a GIL shared with the device:
+on two cores the async loop then wins back most of the host's share of a step. The host keeps one
+torch thread while the device is open: a second one waits for the core the device is using.
+Needs the `fork` start method (Linux, macOS): elsewhere opening it raises; use "cpu-threads".
 
-Why threads, and the knobs (measured on 2 idle cores; script, command and tables: notes/device_overlap.md):
-device work is arbitrary Python closures over the model, the KV cache and the IO buffers, which only
-a thread of the same process can share; a device process would need all of them in shared memory and
-every closure picklable. The price is the GIL: torch kernels release it, the Python around them does
-not. Host Python loop beside 384×384 matmuls on a stream, overlapped / sequential time on 2 cores
-(ideal 0.56): 0.92 at Python's default 5 ms switch interval (a kernel that returns waits up to 5 ms
-for the GIL), 0.60 at 0.2 ms, 0.58 at 0.05 ms; a forked process: 0.71 (ideal 0.70). So while a cpu
-device is open the interval is 0.2 ms (restored on close). Torch gets one intra-op thread per spare
-core (1 of 2), set in every worker too, since OpenMP/MKL thread counts are per thread; two intra-op
-threads beside the host thread gave 1.01 (no overlap). Python-bound work overlaps little at any
-interval: the tiny model's forward (mostly module-call overhead) gives 0.84-1.0, its Python and the
-host's Python take turns; the streams still run concurrently and races are still real.
+Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
+devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel
+unusable: the device then counts as failed (sticky, like any device error) and is closed.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import multiprocessing
 import os
-import sys
-import threading
+import pickle
+import socket
 import time
-from collections import deque
-from typing import Any, Callable
+import weakref
+from multiprocessing.reduction import sendfds
 
 import torch
 
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from . import device_process
+from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
+from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
 
-SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
+START_TIMEOUT = 30.0  # seconds for the device process to report ready
+GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated
 
-_settings_lock = threading.Lock()
-_open_devices = 0
-_saved_settings: tuple[float, int] | None = None
-
-
-def _acquire_settings(switch_interval: float, torch_threads: int) -> None:
-    """The first open cpu device sets the GIL switch interval and torch threads; the last one restores them."""
-    global _open_devices, _saved_settings
-    with _settings_lock:
-        if _open_devices == 0:
-            _saved_settings = (sys.getswitchinterval(), torch.get_num_threads())
-            sys.setswitchinterval(switch_interval)
-            torch.set_num_threads(torch_threads)
-        _open_devices += 1
+_open: "weakref.WeakSet[CpuDevice]" = weakref.WeakSet()
 
 
-def _release_settings() -> None:
-    global _open_devices
-    with _settings_lock:
-        _open_devices -= 1
-        if _open_devices == 0 and _saved_settings is not None:
-            sys.setswitchinterval(_saved_settings[0])
-            torch.set_num_threads(_saved_settings[1])
-
-
-class _Work:
-    """One queued item: `run` executes outside the device lock, `deps` are checked under it."""
-
-    __slots__ = ("run", "deps", "reaches", "what")
-
-    def __init__(self, run: Callable[[], Any] | None, what: str) -> None:
-        self.run, self.what = run, what
-        self.deps: list[Callable[[], bool]] = []   # all must be true before the item starts
-        self.reaches: tuple[CpuEvent, int] | None = None  # a record: (event, sequence number)
+class RemoteError(Exception):
+    """A failure inside device work that could not be rebuilt in the host: its traceback as text."""
 
 
 class CpuEvent(Event):
-    def __init__(self, dev: CpuDevice) -> None:
-        self.dev = dev
-        self._recorded = 0  # how many times the event was recorded (the latest record is the one that counts)
-        self._reached = 0   # the highest record a worker has passed
-
-    def _done(self, target: int) -> bool:
-        return self._reached >= target
+    def __init__(self, dev: CpuDevice, key: int) -> None:
+        self.dev, self.key = dev, key
+        self._recorded = 0  # records sent; the device answers with the highest one reached
+        self._reached = 0
 
     def query(self) -> bool:
-        with self.dev._cv:
-            self.dev._check()
-            return self._done(self._recorded)
+        self.dev._drain()
+        self.dev._check()
+        return self._reached >= self._recorded
 
     def synchronize(self, timeout: float | None = None) -> None:
-        with self.dev._cv:
-            target = self._recorded  # like CUDA: wait for the record made before this call
-            self.dev._wait_for(lambda: self._done(target), timeout, "an event")
+        target = self._recorded  # like CUDA: wait for the record made before this call
+        self.dev._wait_for(lambda: self._reached >= target, timeout, "an event")
 
 
 class CpuStream(Stream):
-    def __init__(self, dev: CpuDevice, name: str, default: bool = False) -> None:
-        self.dev, self.name, self.is_default = dev, name, default
-        self._queue: deque[_Work] = deque()
-        self._enqueued = 0
-        self._completed = 0
-        self._thread = threading.Thread(target=self._worker, name=f"minibatch-{name}", daemon=True)
-        self._thread.start()
+    def __init__(self, dev: CpuDevice, name: str) -> None:
+        self.dev, self.name = dev, name
+        self._sync_event = dev.event()
 
-    # --- host side: enqueue and return ---------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any], *args: Any, name: str = "compute", lane: str = "compute",
-               step: int = -1, slot: int = -1) -> None:
-        # grad/inference mode is thread-local; carry the host's into the worker, as a CUDA launch would
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        timeline = self.dev.timeline
-
-        def run() -> None:
-            start = timeline.now() if timeline is not None else 0.0
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                fn(*args)
-            if timeline is not None:
-                timeline.add(lane, name, start, timeline.now(), step, slot)
-
-        self._enqueue(_Work(run, name))
+    def launch(self, fn, *args, name: str = "compute", lane: str = "compute", step: int = -1,
+               slot: int = -1) -> None:
+        dev = self.dev
+        dev._check()
+        opts = dict(name=name, lane=lane, step=step, slot=slot)
+        msg = ("L", self.name, fn, args, opts, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               dev._timeline_key)
+        dev._send_work(msg, f"launch of {getattr(fn, '__qualname__', fn)!s}")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str = "H2D", lane: str = "H2D",
              step: int = -1, slot: int = -1) -> None:
@@ -135,161 +96,325 @@ class CpuStream(Stream):
 
     def record(self, event: Event) -> None:
         ev = self.dev._own(event)
-        with self.dev._cv:
-            ev._recorded += 1
-            work = _Work(None, "record")
-            work.reaches = (ev, ev._recorded)
-            self._enqueue(work)
+        self.dev._check()
+        ev._recorded += 1  # counted before it is queued: an interrupt between the two cannot lose a record
+        self.dev._send(("R", self.name, ev.key))
 
     def wait(self, event: Event) -> None:
         ev = self.dev._own(event)
-        with self.dev._cv:
-            work = _Work(None, "wait")
-            target = ev._recorded  # a never-recorded event is already reached, as in CUDA
-            work.deps.append(lambda: ev._done(target))
-            self._enqueue(work)
+        self.dev._send(("W", self.name, ev.key))
 
     def sleep(self, seconds: float, name: str = "delay", lane: str | None = None, step: int = -1,
               slot: int = -1) -> None:
-        stop, timeline = self.dev._stop, self.dev.timeline
-
-        def run() -> None:  # an interruptible sleep, so that close() never waits for a long delay
-            start = timeline.now() if timeline is not None else 0.0
-            stop.wait(seconds)
-            if timeline is not None and lane is not None:
-                timeline.add(lane, name, start, timeline.now(), step, slot)
-
-        self._enqueue(_Work(run, f"sleep({seconds})"))
+        self.dev._send(("S", self.name, float(seconds), dict(name=name, lane=lane, step=step, slot=slot),
+                        self.dev._timeline_key), flush=True)
 
     def synchronize(self, timeout: float | None = None) -> None:
-        with self.dev._cv:
-            target = self._enqueued
-            self.dev._wait_for(lambda: self._completed >= target, timeout, f"stream {self.name!r}")
-
-    def _enqueue(self, work: _Work) -> None:
-        dev = self.dev
-        with dev._cv:
-            dev._check()
-            # legacy default stream: it waits for everything before it, everything after waits for it
-            if self.is_default:
-                for s in dev._streams.values():
-                    if s is not self and s._completed < s._enqueued:
-                        work.deps.append(lambda s=s, n=s._enqueued: s._completed >= n)
-            else:
-                d, n = dev.default_stream, dev.default_stream._enqueued
-                if d._completed < n:
-                    work.deps.append(lambda: d._completed >= n)
-            self._queue.append(work)
-            self._enqueued += 1
-            dev._cv.notify_all()
-
-    # --- device side: the worker -------------------------------------------------------------------
-    def _worker(self) -> None:
-        dev = self.dev
-        # OpenMP/MKL thread counts are per thread: a new thread starts with one per core, whatever the
-        # host set, and its matmuls then fight the host thread for the cores (measured: 3-10x slower)
-        torch.set_num_threads(dev._torch_threads)
-        while True:
-            with dev._cv:
-                while not dev._closed and dev._error is None and not (
-                        self._queue and all(dep() for dep in self._queue[0].deps)):
-                    dev._cv.wait()
-                if dev._closed:
-                    return
-                if dev._error is not None:  # the device failed: drop our work, nothing will run again
-                    self._completed += len(self._queue)
-                    self._queue.clear()
-                    dev._cv.notify_all()
-                    continue
-                work = self._queue[0]
-            try:
-                if work.run is not None:
-                    work.run()
-            except BaseException as exc:  # noqa: BLE001 — any failure must reach the host, not kill the thread
-                with dev._cv:
-                    if dev._error is None:
-                        dev._error = (f"device work {work.what!r} on stream {self.name!r} failed: "
-                                      f"{type(exc).__name__}: {exc}", exc)
-                    dev._cv.notify_all()
-                continue
-            with dev._cv:
-                self._queue.popleft()
-                self._completed += 1
-                if work.reaches is not None:
-                    ev, seq = work.reaches
-                    ev._reached = max(ev._reached, seq)
-                dev._cv.notify_all()
+        self.record(self._sync_event)
+        self._sync_event.synchronize(timeout)
 
 
 class CpuDevice(Device):
-    """An emulated device: one worker thread per stream, sharing one lock and condition variable."""
+    """The host's handle on a device process: streams, events and shared memory by message."""
 
     kind = "cpu"
 
     def __init__(self, timeline=None, switch_interval: float = SWITCH_INTERVAL,
-                 torch_threads: int | None = None) -> None:
-        self.timeline = timeline
-        self._cv = threading.Condition()
-        self._stop = threading.Event()
-        self._closed = False
-        self._error: tuple[str, BaseException] | None = None  # (message, the exception raised in the worker)
-        self._streams: dict[str, CpuStream] = {}
-        if torch_threads is None:  # leave one core to the host thread
+                 torch_threads: int | None = None, inherit=()) -> None:
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise DeviceError("the 'cpu' device forks a device process, and this platform cannot fork; "
+                              "use get_device('cpu-threads') (threads of this interpreter, no overlap of Python work)")
+        if torch_threads is None:  # the host keeps one core
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
             torch_threads = max(1, cores - 1)
-        self._torch_threads = torch_threads
-        _acquire_settings(switch_interval, torch_threads)
-        self.default_stream = CpuStream(self, "default", default=True)
-        self._streams["default"] = self.default_stream
+        self._closed, self._error, self._broken, self._holds_threads = False, None, False, False
+        self._streams: dict[str, CpuStream] = {}
+        self._events: dict[int, CpuEvent] = {}
+        self._keys = itertools.count(1)
+        self._storage_keys: dict[int, int] = {}  # data_ptr of a shared storage -> its key
+        self._sent: dict[int, tuple] = {}  # id(obj) -> (weak reference, key) of objects sent by value
+        self._dropped_storages: list[int] = []
+        self._dropped_objects: list[int] = []
+        self._timelines: dict[int, object] = {}
+        self._timeline_key = None
+        self._queue: list[bytes] = []  # messages not sent yet
+        self._fds: list = []  # the queued storages, whose file descriptors follow the queue
+        t0 = time.perf_counter()
+        # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
+        # device names them by address instead of receiving a copy (a scan of every object for them
+        # took longer than the fork itself)
+        self._forked = {}
+        for obj in inherit:
+            held = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)] if hasattr(obj, "__dict__") else []
+            for o in [obj, *held, *(m for h in held for m in h.modules())]:
+                self._forked[id(o)] = weakref.ref(o)
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
+        self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
+        self._proc = ctx.Process(target=device_process.serve, name="minibatch-device", daemon=True,
+                                 args=(child, self._conn, switch_interval, torch_threads))
+        try:  # from here on, whatever happens, close() leaves nothing behind
+            with deferred_interrupts():  # a half-opened device could not be closed cleanly
+                self._start(child)
+        except BaseException:
+            child.close()
+            self.close()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+        self.default_stream = self.stream("default")
+        self.set_timeline(timeline)
 
+    def _start(self, child) -> None:
+        _open.add(self)
+        self._proc.start()
+        child.close()
+        # the host's torch work (building batches) gets one thread: a second one would wait for a core
+        # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
+        TORCH_THREADS.hold(1)
+        self._holds_threads = True
+        if not self._conn.poll(START_TIMEOUT):
+            raise DeviceError(f"the device process did not start within {START_TIMEOUT:g} s")
+        self._recv()
+
+    # --- the interface --------------------------------------------------------------------------------
     def stream(self, name: str) -> CpuStream:
-        with self._cv:
-            self._check()
-            if name not in self._streams:
-                self._streams[name] = CpuStream(self, name)
-            return self._streams[name]
+        self._check()
+        if name not in self._streams:
+            self._streams[name] = CpuStream(self, name)
+        return self._streams[name]
 
     def event(self) -> CpuEvent:
-        return CpuEvent(self)
+        key = next(self._keys)
+        ev = self._events[key] = CpuEvent(self, key)
+        return ev
 
     def synchronize(self, timeout: float | None = None) -> None:
-        with self._cv:
-            targets = [(s, s._enqueued) for s in self._streams.values()]
-            self._wait_for(lambda: all(s._completed >= n for s, n in targets), timeout, "the device")
+        targets = []
+        for s in list(self._streams.values()):
+            s.record(s._sync_event)
+            targets.append((s._sync_event, s._sync_event._recorded))
+        self._wait_for(lambda: all(ev._reached >= n for ev, n in targets), timeout, "the device")
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.clone()  # a new host buffer, as on cuda; there is no pinning to do
+        """A host buffer the device process can reach (shared memory), holding a copy of `tensor`."""
+        out = self.empty(tuple(tensor.shape), tensor.dtype)
+        return out.copy_(tensor)
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        """Device memory: shared memory, registered with the device process once."""
+        self._check()
+        t = torch.empty(shape, dtype=dtype)
+        if t.numel() == 0:
+            return t
+        t.share_memory_()
+        storage = t.untyped_storage()
+        _, nbytes = storage._share_fd_cpu_()
+        key, ptr = next(self._keys), storage.data_ptr()
+        # the queue keeps the storage (and so its file descriptor) alive until it is sent; no duplicate
+        # descriptor that an interrupt could leave open
+        self._send(("s", key, nbytes), storage)
+        self._storage_keys[ptr] = key
+        # views keep their base alive, so the storage is dropped when the last view goes
+        weakref.finalize(t, self._drop_storage, ptr, key)
+        return t
+
+    def set_timeline(self, timeline) -> None:
+        self.flush_timeline()
+        self.timeline = timeline
+        self._timeline_key = None
+        if timeline is not None:
+            self._timeline_key = next(self._keys)
+            self._timelines = {k: v for k, v in self._timelines.items() if v is not None}
+            self._timelines[self._timeline_key] = timeline
+
+    def flush_timeline(self) -> None:
+        if not self._closed:
+            self._drain()
 
     def close(self) -> None:
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            self._stop.set()  # cut injected delays short
-            self._cv.notify_all()
-        for s in self._streams.values():
-            if s._thread is not threading.current_thread():
-                s._thread.join(timeout=2.0)  # a running fn cannot be interrupted; daemon threads die at exit
-        _release_settings()
+        with deferred_interrupts():  # a second Ctrl-C waits until nothing is left running
+            self._close()
 
-    # --- helpers, called with self._cv held ---------------------------------------------------------
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _open.discard(self)
+        if self._holds_threads:  # first: a second interrupt during the grace period changes nothing
+            self._holds_threads = False
+            TORCH_THREADS.release()
+        proc = self._proc
+        if proc.pid is None:  # never started
+            self._conn.close()
+            self._sock.close()
+            return
+        try:
+            if not self._broken:
+                try:
+                    self._conn.send_bytes(pickle.dumps(([pickle.dumps(("X",))], 0)))
+                except OSError:
+                    pass
+            proc.join(GRACE)
+        finally:  # even when a second interrupt lands in the grace period: nothing is left running
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(GRACE)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            self._conn.close()
+            self._sock.close()
+            self._fds = []
+
+    # --- messages -------------------------------------------------------------------------------------
+    def reference(self, obj, pickler):
+        """How an object travels to the device process (device_process.py): None means by value."""
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() == 0:
+                return None
+            key = self._storage_keys.get(obj.untyped_storage().data_ptr())
+            if key is not None:
+                return device_process.view, (key, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
+            if pickler.inside_resident:
+                return None  # e.g. a model's weights, when the model is sent by value
+            raise DeviceError("device work got a plain host tensor (shape " + str(tuple(obj.shape)) + "); the "
+                              "device cannot reach pageable host memory, as a GPU kernel cannot: allocate it "
+                              "with dev.empty (device memory) or dev.pin (host memory the device reaches)")
+        if isinstance(obj, device_process.resident_types()):
+            i = id(obj)
+            ref = self._forked.get(i)
+            if ref is not None and ref() is obj:
+                return device_process.forked, (i,)
+            entry = self._sent.get(i)
+            if entry is not None and entry[0]() is obj:
+                return device_process.named, (entry[1],)
+            key = next(self._keys)
+            data = device_process.dumps(obj, self, top=obj, inside_resident=True, pending=pickler.pending)
+            pickler.pending.append((obj, key))
+            return device_process.named_new, (key, data)
+        return None
+
+    def _send_work(self, msg, what: str) -> None:
+        pending: list = []
+        try:
+            data = device_process.dumps(msg, self, pending=pending)
+        except DeviceError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise DeviceError(f"{what}: its work or arguments cannot be sent to the device process: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        self._post(data, flush=True)
+        for obj, key in pending:  # sent: from now on the device knows them by key
+            self._remember(obj, key)
+
+    def _remember(self, obj, key: int) -> None:
+        i, dropped = id(obj), self._dropped_objects
+
+        def forget(_ref, i=i, key=key) -> None:
+            entry = self._sent.get(i)
+            if entry is not None and entry[1] == key:
+                del self._sent[i]
+            dropped.append(key)
+
+        try:
+            ref = weakref.ref(obj, forget)
+        except TypeError:  # cannot be weakly referenced: kept alive with the device
+            ref = (lambda o: lambda: o)(obj)
+        self._sent[i] = (ref, key)
+
+    def _drop_storage(self, ptr: int, key: int) -> None:
+        if self._storage_keys.get(ptr) == key:
+            del self._storage_keys[ptr]
+        self._dropped_storages.append(key)
+
+    def _send(self, msg, storage=None, flush: bool = False) -> None:
+        self._check()
+        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush, storage)
+
+    def _post(self, item: bytes, flush: bool, storage=None) -> None:
+        """Queue a message (and a storage whose file descriptor goes with it); with `flush`, send the queue."""
+        if self._dropped_storages or self._dropped_objects:
+            storages, objects = self._dropped_storages[:], self._dropped_objects[:]
+            del self._dropped_storages[:len(storages)], self._dropped_objects[:len(objects)]
+            self._queue.append(pickle.dumps(("F", storages, objects)))
+        self._queue.append(item)
+        if storage is not None:
+            self._fds.append(storage)
+        if flush:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the queued messages as one write, then their file descriptors as one more."""
+        if not self._queue or self._broken:
+            return
+        batch, storages, self._queue, self._fds = self._queue, self._fds, [], []
+        try:
+            self._conn.send_bytes(pickle.dumps((batch, len(storages)), protocol=pickle.HIGHEST_PROTOCOL))
+            if storages:
+                sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
+        except BaseException as exc:
+            self._fail_channel(exc)
+            raise
+        self._drain()  # keep the reply channel from filling up while the host only launches
+
+    def _fail_channel(self, exc: BaseException) -> None:
+        """A message cut in half (an interrupt mid-send or mid-receive) or a dead process: sticky."""
+        self._broken = True
+        if self._error is None:  # keeps no traceback: its frames would keep the run's buffers alive
+            why = "interrupted in the middle of a message" if isinstance(exc, KeyboardInterrupt) else \
+                f"{type(exc).__name__}: {exc}"
+            self._error = (f"the device process cannot be reached any more ({why}); open a new device", None)
+
+    def _recv(self) -> None:
+        try:
+            msg = pickle.loads(self._conn.recv_bytes())
+        except BaseException as exc:
+            self._fail_channel(exc)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise DeviceError(self._error[0]) from exc
+        op = msg[0]
+        if op == "r":
+            ev = self._events.get(msg[1])
+            if ev is not None and msg[2] > ev._reached:
+                ev._reached = msg[2]
+        elif op == "p":
+            tl = self._timelines.get(msg[1])
+            if tl is not None:
+                _, _, lane, name, start, end, step, slot = msg
+                tl.add(lane, name, start - tl.t0, end - tl.t0, step, slot)
+        elif op == "e" and self._error is None:
+            _, message, blob, text = msg
+            cause = pickle.loads(blob) if blob is not None else RemoteError(text)
+            self._error = (message, cause)
+
+    def _drain(self) -> None:
+        if self._broken or self._closed:
+            return
+        if self._queue:
+            self._flush()  # _flush drains after sending
+        while self._conn.poll(0):
+            self._recv()
+
     def _check(self) -> None:
-        if self._error is not None:  # a fresh exception each time, so tracebacks do not pile up
+        if self._error is not None:
             raise DeviceError(self._error[0]) from self._error[1]
         if self._closed:
             raise DeviceError("the device is closed")
+
+    def __del__(self) -> None:  # a device dropped unclosed (an interrupt before its owner kept it)
+        if not getattr(self, "_closed", True):
+            self.close()
 
     def _own(self, event: Event) -> CpuEvent:
         if not isinstance(event, CpuEvent) or event.dev is not self:
             raise ValueError("this event belongs to another device: create it with this device's event()")
         return event
 
-    def _wait_for(self, done: Callable[[], bool], timeout: float | None, what: str) -> None:
+    def _wait_for(self, done, timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._drain()
             self._check()
             if done():
                 return
@@ -297,5 +422,17 @@ class CpuDevice(Device):
             if left is not None and left <= 0:
                 raise DeviceTimeoutError(f"timed out after {timeout:g} s waiting for {what} (a delay longer "
                                          "than the timeout, or a wait on an event recorded after it?)")
-            self._cv.wait(left)
+            try:
+                ready = self._conn.poll(left)
+            except BaseException as exc:
+                if not isinstance(exc, KeyboardInterrupt):  # an interrupt in poll cuts no message
+                    self._fail_channel(exc)
+                raise
+            if ready:
+                self._recv()
 
+
+@atexit.register
+def _close_all() -> None:
+    for dev in list(_open):
+        dev.close()

@@ -22,7 +22,10 @@ on `dev.default_stream` (the legacy default stream) and it waits for all earlier
 and all later work waits for it: concurrency gone (notebook 02).
 
   cuda  thin wrappers over torch.cuda streams and events (cuda_device.py).
-  cpu   an emulated device (cpu_device.py): a worker thread per stream, really concurrent.
+  cpu          an emulated device in a process of its own (cpu_device.py): it computes beside the
+               host, on another core, as a GPU does.
+  cpu-threads  the same device as worker threads of the host's interpreter (thread_device.py):
+               really concurrent, but sharing the host's GIL; device work may touch host objects.
 
 This module is the front door: it opens a backend. The interface both implement, and the errors,
 live in device_base.py, which imports no backend.
@@ -41,22 +44,31 @@ import torch
 
 from .cpu_device import CpuDevice
 from .cuda_device import CudaDevice
+from .thread_device import ThreadDevice
 from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
-__all__ = ["get_device", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
+BACKENDS = ("cpu", "cpu-threads", "cuda")
+
+__all__ = ["get_device", "BACKENDS", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
 
 
-def get_device(kind: str = "cpu", timeline=None, **options) -> Device:
-    """Open the device layer: "cpu" (emulated, always there) or "cuda"/"cuda:N" (a GPU).
+def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Device:
+    """Open the device layer: "cpu" (an emulated device process), "cpu-threads" (emulated with threads of
+    this process) or "cuda"/"cuda:N" (a GPU).
 
     `timeline` (a minibatch.timeline.Timeline or None) receives a span per launch and copy. Options go
-    to the backend (cpu: `switch_interval`, `torch_threads`). Close the device, or use it in a `with`.
+    to the backend (cpu, cpu-threads: `switch_interval`, `torch_threads`). `inherit`: objects device work
+    will use that exist now (the model): the cpu device's process inherits them when it forks, instead
+    of receiving a copy at the first launch; other backends share them with the host anyway.
+    Close the device, or use it in a `with`.
     """
     name = str(kind)
     if name == "cpu":
-        return CpuDevice(timeline, **options)
+        return CpuDevice(timeline, inherit=inherit, **options)
+    if name == "cpu-threads":
+        return ThreadDevice(timeline, **options)
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
             raise DeviceError(f"device {name!r} asked for, but this PyTorch build sees no CUDA GPU; use 'cpu'")
         return CudaDevice(torch.device(name), timeline, **options)
-    raise ValueError(f"unknown device {kind!r}: use 'cpu' or 'cuda'")
+    raise ValueError(f"unknown device {kind!r}: use 'cpu', 'cpu-threads' or 'cuda'")

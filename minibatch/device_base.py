@@ -7,6 +7,9 @@ backend, so a backend can import it without a cycle.
 
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -16,6 +19,23 @@ class DeviceError(RuntimeError):
 
 class DeviceTimeoutError(DeviceError, TimeoutError):
     """A host wait (synchronize) ran past its timeout."""
+
+
+@contextmanager
+def deferred_interrupts():
+    """Run a block that must not stop half-way (a device opening or closing, process settings): a
+    Ctrl-C (or `_thread.interrupt_main`) that arrives meanwhile is raised when the block is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread receives KeyboardInterrupt
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
 
 
 class Event:

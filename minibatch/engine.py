@@ -30,7 +30,7 @@ import torch
 from .async_loop import async_step
 from .checks import MODES, check_generate
 from .device import get_device
-from .device_base import DeviceError
+from .device_base import DeviceError, deferred_interrupts
 from .model import Model
 from .requests import Request, SamplingParams
 from .memory import run_sizes
@@ -212,7 +212,8 @@ class Engine:
     # --- resources ----------------------------------------------------------------------------------
     def _device(self):
         if self.dev is None:
-            self.dev = get_device(str(self.model.device))
+            with deferred_interrupts():  # an interrupt must not orphan the device between opening and keeping it
+                self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
         return self.dev
 
     def _resources(self, shape: _Shape) -> Resources:

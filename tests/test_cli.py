@@ -33,7 +33,10 @@ def test_demo_writes_table_and_figure(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stdout and "sync" in r.stdout
     assert (tmp_path / "demo_timeline.png").stat().st_size > 5000
-    assert json.load(open(tmp_path / "demo_trace.json"))["traceEvents"]
+    events = json.load(open(tmp_path / "demo_trace.json"))["traceEvents"]
+    runs = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert runs == {"sync", "async"}  # both runs, one trace
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
 
 
 def test_bench_writes_json(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The device layer's semantics, one suite for both backends (cuda runs only where a GPU is present).
+"""The device layer's semantics, one suite for every backend (cuda runs only where a GPU is present).
 
 These are semantics tests, not benchmarks: delays are injected on the streams and the timing margins
 are wide, so they hold on a loaded 2-core machine. Every host wait passes a timeout, so a bug shows up
@@ -19,7 +19,7 @@ from minibatch.timeline import Timeline
 X = 0.3  # seconds: an injected delay, long against thread wake-ups and kernel launches
 T = 10.0  # timeout for waits that should succeed
 
-BACKENDS = ["cpu", pytest.param("cuda", marks=[
+BACKENDS = ["cpu", "cpu-threads", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
@@ -215,12 +215,42 @@ def test_spans_land_in_the_timeline(dev):
 
 
 def test_launch_keeps_the_hosts_inference_mode(dev):
-    seen = []
-    with torch.inference_mode():
-        dev.stream("a").launch(lambda: seen.append(torch.is_inference_mode_enabled()))
-    dev.stream("a").launch(lambda: seen.append(torch.is_inference_mode_enabled()))
+    seen = dev.empty((2,), torch.int64)
+    seen.fill_(-1)
     dev.synchronize(timeout=T)
-    assert seen == [True, False]
+    with torch.inference_mode():
+        dev.stream("a").launch(lambda: seen[0].fill_(int(torch.is_inference_mode_enabled())))
+    dev.stream("a").launch(lambda: seen[1].fill_(int(torch.is_inference_mode_enabled())))
+    dev.synchronize(timeout=T)
+    assert host_view(seen) == [1, 0]
+
+
+def test_closures_over_host_objects_run_on_the_threads_backend():
+    seen = []  # device work in the host's interpreter may touch host objects (notebooks 02, 03)
+    with get_device("cpu-threads") as d:
+        d.stream("a").launch(lambda: seen.append(1))
+        d.synchronize(timeout=T)
+    assert seen == [1]
+
+
+def test_the_cpu_device_refuses_plain_host_tensors():
+    with get_device("cpu") as d:
+        with pytest.raises(DeviceError, match="dev.empty"):
+            d.stream("a").launch(torch.Tensor.add_, torch.zeros(2), 1)
+        d.stream("a").launch(lambda: None)  # refused before it was sent: the device is fine
+        d.synchronize(timeout=T)
+
+
+def test_the_cpu_device_is_a_process_of_its_own():
+    import os
+
+    with get_device("cpu") as d:
+        pid = d.empty((1,), torch.int64)
+        d.stream("a").launch(lambda: pid.fill_(os.getpid()))
+        d.synchronize(timeout=T)
+        assert host_view(pid)[0] not in (0, os.getpid())
+        assert d.startup_seconds < 3.0
+    assert not d._proc.is_alive()
 
 
 def test_memory_helpers(dev):
@@ -229,15 +259,21 @@ def test_memory_helpers(dev):
     assert p.device.type == "cpu" and p.tolist() == h.tolist() and p.data_ptr() != h.data_ptr()
     assert p.is_pinned() == (dev.kind == "cuda")
     e = dev.empty((2, 3), torch.int64)
-    assert e.shape == (2, 3) and e.dtype == torch.int64 and e.device.type == dev.kind
+    assert e.shape == (2, 3) and e.dtype == torch.int64 and e.device.type == ("cuda" if dev.kind == "cuda" else "cpu")
 
 
-def test_close_is_idempotent_and_refuses_new_work():
+@pytest.mark.parametrize("kind", ["cpu", "cpu-threads"])
+def test_close_is_idempotent_and_refuses_new_work(kind):
     before = sys.getswitchinterval()
-    with get_device("cpu") as d:
-        assert sys.getswitchinterval() < before  # short GIL slices while the emulated device is open
+    t0 = time.perf_counter()
+    with get_device(kind) as d:
+        if kind == "cpu-threads":
+            assert sys.getswitchinterval() < before  # short GIL slices while the threads share the GIL
+        else:
+            assert sys.getswitchinterval() == before  # a process of its own changes nothing here
         d.stream("a").sleep(5.0)  # close() must cut it short
     d.close()
+    assert time.perf_counter() - t0 < 3.0
     assert sys.getswitchinterval() == before
     with pytest.raises(DeviceError):
         d.stream("a").launch(lambda: None)

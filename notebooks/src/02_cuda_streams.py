@@ -13,8 +13,8 @@
 # each stage finished before the next one started. To let the host and the device work at the same
 # time, the host must be able to *hand work over* and get on with its own. That is what streams
 # are for. We build the idea in a few lines first, then use `minibatch.device`, the device layer
-# every later notebook runs on. Its `cpu` backend emulates a GPU's streams with threads, so what
-# you see below really happens, on any laptop.
+# every later notebook runs on. Its `cpu` backend emulates a GPU with a second process whose streams
+# are worker threads, so what you see below really happens, on any laptop.
 
 # %%
 import os
@@ -107,14 +107,24 @@ print("both done in less than 0.15 s (not 0.2 s):", time.perf_counter() - t0 < 0
 # %% [markdown]
 # ### The package version
 #
-# `minibatch.device.get_device("cpu")` opens the emulated device; `dev.stream(name)` gives a named
-# stream (the same name gives the same stream); `launch(fn, *args)` enqueues, `sleep(seconds)`
-# enqueues a delay, `synchronize(timeout=...)` blocks the host. The same experiment must tell the
-# same story:
+# `minibatch.device.get_device(...)` opens a device; `dev.stream(name)` gives a named stream (the
+# same name gives the same stream); `launch(fn, *args)` enqueues, `sleep(seconds)` enqueues a delay,
+# `synchronize(timeout=...)` blocks the host. Without a GPU there are two emulated devices:
+#
+# * `"cpu"` (the default, and what the loops use) is a **process of its own**, like a GPU a second
+#   processor beside the host: launched work is pickled and sent to it, it computes on another core
+#   while the host runs on, and it can only touch device memory (`dev.empty`) and pinned host memory
+#   (`dev.pin`), both shared memory. A launched function that appends to a host list would append to
+#   the device process's own copy of it.
+# * `"cpu-threads"` runs each stream as a thread of *this* interpreter: launched work may touch any
+#   host object, like our `TinyStream`. Its catch comes in section 4.
+#
+# The `kernel` above writes to the host's `log`, so it runs on `"cpu-threads"`. The same experiment
+# must tell the same story:
 
 # %%
 log = []
-with get_device("cpu") as dev:
+with get_device("cpu-threads") as dev:
     s = dev.stream("compute")
     for name in ("a", "b", "c"):
         s.launch(kernel, name, 0.1)
@@ -217,8 +227,8 @@ fig.savefig(f"{FIGURES}/02_default_stream_cpu.png", dpi=110)
 #
 # ## 4. Launch overhead
 #
-# Launching is not free. Every launch costs the host some work: here, wrapping the call and
-# putting it in the queue under a lock; on a GPU, Python, PyTorch's dispatcher and a call into the
+# Launching is not free. Every launch costs the host some work: here, pickling the call and sending
+# it to the device process; on a GPU, Python, PyTorch's dispatcher and a call into the
 # CUDA driver. Add 1 to a tensor 2,000 times with 2,000 tiny launches, then the same with one
 # launch that adds 2,000:
 
@@ -250,8 +260,49 @@ print("same result:", result_many == result_one == n)
 print("one launch cost the host less than", n, "launches:", host_one < host_many)
 
 # %% [markdown]
-# (The cell before prints this machine's timings, so yours will differ.) Each launch costs the
-# host microseconds, and a device that runs tiny pieces of work spends much of its time waiting for
+# What does the `"cpu"` device's launch cost, being a process? Each launch pickles the function and
+# its arguments (tensors in shared memory travel as a reference, a few bytes) and writes one message
+# to a socket; a host wait is a message back. Three numbers: one launch, one *event round trip*
+# (record an event, wait until the device says it is reached) and the device's start-up (a fork of
+# this process, like creating a CUDA context):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+t = time.perf_counter()
+dev = get_device("cpu")
+startup = time.perf_counter() - t
+s, ev, x = dev.stream("compute"), dev.event(), dev.empty((16,))
+costs = {}
+for what in ("launch", "event round trip"):
+    t = time.perf_counter()
+    for _ in range(500):
+        if what == "launch":
+            s.launch(x.add_, 1.0)
+        else:
+            s.record(ev)
+            ev.synchronize(timeout=5)
+    costs[what] = (time.perf_counter() - t) / 500
+dev.synchronize(timeout=5)
+dev.close()
+print(f"one launch        ~{costs['launch'] * 1e6:4.0f} µs of host time")
+print(f"event round trip  ~{costs['event round trip'] * 1e6:4.0f} µs")
+print(f"start-up          ~{startup:4.2f} s")
+
+# %% [markdown]
+# On the order of a hundred microseconds for a launch and for a round trip, a fraction of a second
+# to start (more on a busy machine): small beside a decode step of the tiny model (a few milliseconds on the device, about one on the
+# host), which is why the loops can afford one round trip per step. (The cells above print this
+# machine's timings, so yours will differ; BENCHMARKS.md has the ones this course was written with.)
+#
+# And the catch of `"cpu-threads"`: its streams share this interpreter's GIL (global interpreter
+# lock) with the host. PyTorch kernels let go of it while they compute, the Python around them does
+# not. The tiny model's forward pass is mostly Python (module calls), and so is the host's
+# scheduling: on two cores they take turns rather than overlap (overlapped / sequential time
+# 0.84-1.0, against 0.71 for a separate process; notes/device_overlap.md has the measurements).
+# That is why the default `"cpu"` device is a process: on a laptop, too, the async loop of notebook
+# 06 then has a second processor to overlap with.
+#
+# Each launch costs the host microseconds, and a device that runs tiny pieces of work spends much of its time waiting for
 # the next one to be launched. On a GPU this is what holds back a model run **eagerly**, one
 # PyTorch operation at a time, when its kernels are short. Our profile of one decode step of the 8B-shaped model at batch 32 on
 # an H200 (`scripts/gpu/profile_step.py`, eager, the recorded output is
@@ -412,7 +463,7 @@ fig.savefig(f"{FIGURES}/02_broken_pipeline_cpu.png", dpi=110)
 # Different:
 #
 # * On a GPU the device work runs on the GPU's own processors and the CPU is truly free. Here it
-#   runs in worker threads of the same Python process, on the same CPU cores, under one GIL.
+#   runs in a second process on the same CPU cores: the host is free only if a core is.
 # * Two GPU kernels on two streams overlap only if neither fills the GPU; a big matmul uses every
 #   core. What overlaps best are **copies with compute**: the GPU has separate copy engines.
 # * The host cost of a launch matters more on a GPU: the recorded decode step's kernels ran for

@@ -105,11 +105,12 @@ inline_log = list(log)
 #
 # `dev.event()` makes an event; `stream.record(ev)`, `stream.wait(ev)`, `ev.query()` and
 # `ev.synchronize(timeout=...)` do the rest. On a GPU they are `torch.cuda.Event.record`,
-# `torch.cuda.Stream.wait_event`, `Event.query` and `Event.synchronize`. Same experiment, same story:
+# `torch.cuda.Stream.wait_event`, `Event.query` and `Event.synchronize`. Same experiment, same story
+# (on `"cpu-threads"`, since `kernel` writes to the host's `log`; notebook 02 says why):
 
 # %%
 log = []
-with get_device("cpu") as dev:
+with get_device("cpu-threads") as dev:
     a, b = dev.stream("a"), dev.stream("b")
     ready, done = dev.event(), dev.event()
     t0 = time.perf_counter()

@@ -1,0 +1,134 @@
+"""Ctrl-C at any moment of `generate`, on every cpu backend: it returns quickly and leaves nothing behind.
+
+A timer thread calls `_thread.interrupt_main()` (what Ctrl-C does) at a random moment of a run,
+sometimes twice in a row (the second one lands in the clean-up). After each: no device process, no
+worker thread, no shared-memory file descriptor, no process-wide setting changed, and the next run
+gives the same tokens. MINIBATCH_INTERRUPTS=300 runs the long version (default 30).
+"""
+
+import _thread
+import gc
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import minibatch
+from minibatch import engine
+from minibatch.device import get_device
+
+KW = dict(max_new_tokens=6, max_batch_tokens=16, max_batch_size=4)
+N = int(os.environ.get("MINIBATCH_INTERRUPTS", "30"))
+
+
+@pytest.fixture(scope="module")
+def work():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 7, 4)]
+
+
+@pytest.fixture(params=["cpu", "cpu-threads"])
+def backend(request, monkeypatch):
+    if request.param == "cpu-threads":  # the engine opens the model's device; give it the thread one
+        monkeypatch.setattr(engine, "get_device", lambda kind, **kw: get_device("cpu-threads"))
+    return request.param
+
+
+def shared_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "torch_" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def leftovers(collect: bool = True) -> dict:
+    if collect:  # a device dropped by an interrupt goes with the next garbage collection
+        gc.collect()
+    return {"processes": len(multiprocessing.active_children()),
+            "threads": sum(t.name.startswith("minibatch-") for t in threading.enumerate()),
+            "shared_fds": shared_fds(), "switch_interval": sys.getswitchinterval(),
+            "torch_threads": torch.get_num_threads()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
+def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
+    ref = {m: minibatch.generate(random_llama, work, mode=m, **KW) for m in ("sync", "async")}
+    t0 = time.perf_counter()
+    minibatch.generate(random_llama, work, mode="async", **KW)
+    typical = time.perf_counter() - t0
+    before = leftovers()
+    rng = random.Random(12)
+    slow, interrupted, returns = [], 0, []
+    for i in range(N):
+        mode = rng.choice(["sync", "async"])
+        fired = []
+        delays = [rng.uniform(0, 1.2 * typical)] + ([rng.uniform(0, 0.02)] if i % 2 else [])
+
+        def fire():
+            for d in delays:
+                time.sleep(d)
+                fired.append(time.perf_counter())
+                _thread.interrupt_main()
+
+        timer = threading.Thread(target=fire)
+        raised = None
+        try:
+            timer.start()
+            minibatch.generate(random_llama, work, mode=mode, **KW)
+        except KeyboardInterrupt:
+            raised = time.perf_counter()
+        while True:  # the rest of the interrupts, wherever they land
+            try:
+                timer.join()
+                time.sleep(0.05)
+                break
+            except KeyboardInterrupt:
+                pass
+        if raised is not None:
+            interrupted += 1
+            returns.append(raised - fired[0])
+            if raised - fired[0] >= 1.0:
+                slow.append(raised - fired[0])
+        assert leftovers(collect=False) == before or leftovers() == before, f"after interrupt {i}"
+    print(f"\n{backend}: {interrupted} of {N} runs interrupted ({N // 2} twice); slowest return "
+          f"{max(returns, default=0):.3f} s, median {sorted(returns)[len(returns) // 2] if returns else 0:.3f} s")
+    assert not slow, f"{len(slow)} of {interrupted} interrupted runs took over 1 s to return: {slow}"
+    assert interrupted >= N // 3
+    for m in ("sync", "async"):
+        assert minibatch.generate(random_llama, work, mode=m, **KW) == ref[m]
+
+
+def test_many_runs_leave_nothing_behind(random_llama):
+    before = leftovers()
+    for _ in range(200):
+        minibatch.generate(random_llama, [[1, 2, 3]], max_new_tokens=1)
+    assert leftovers() == before
+
+
+def test_the_process_exits_normally_after_an_interrupted_forward_pass():
+    code = """
+import _thread, threading, minibatch
+from minibatch import engine
+from minibatch.device import get_device
+m = minibatch.load_model("tiny")
+for kind in ("cpu-threads", "cpu"):  # interrupt a run on each backend mid-step, then exit
+    engine.get_device = lambda k, kind=kind, **kw: get_device(kind)
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    try:
+        minibatch.generate(m, [[1] * 300] * 8, max_new_tokens=200, max_batch_tokens=2048, mode="async")
+    except KeyboardInterrupt:
+        print("interrupted", kind)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["interrupted cpu-threads", "interrupted cpu"]
