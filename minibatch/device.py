@@ -40,6 +40,8 @@ without a host sync (each backend's docstring says how).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .cpu_device import CpuDevice
@@ -50,6 +52,9 @@ from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 BACKENDS = ("cpu", "cpu-threads", "cuda")
 
 __all__ = ["get_device", "BACKENDS", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
+
+
+_warned: list = []  # the fall-back to threads is said once per process
 
 
 def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Device:
@@ -63,6 +68,15 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     Close the device, or use it in a `with`.
     """
     name = str(kind)
+    if name == "cpu" and torch.cuda.is_initialized():
+        # a forked child of a process that has started CUDA cannot touch CUDA again (it dies with
+        # "CUDA error: initialization error" as soon as torch asks for a device): on a GPU machine
+        # that has used its GPU, the emulated device runs as threads of this process instead
+        if not _warned:
+            _warned.append(True)
+            warnings.warn("this process has started CUDA, so the cpu device cannot fork a device process: it "
+                          "runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
+        return ThreadDevice(timeline, **{k: v for k, v in options.items() if k in ("switch_interval", "torch_threads")})
     if name == "cpu":
         return CpuDevice(timeline, inherit=inherit, **options)
     if name == "cpu-threads":
