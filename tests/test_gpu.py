@@ -166,3 +166,20 @@ def test_a_float32_model_given_to_load_model_keeps_float32_and_matches_its_gener
     for mode in ("sync", "async"):
         assert minibatch.generate(model, work, max_new_tokens=10, mode=mode, max_batch_size=4,
                                   max_batch_tokens=32) == refs
+
+
+def test_the_cpu_device_runs_as_threads_once_cuda_has_started():
+    """A forked child cannot touch CUDA again: after this process has used its GPU, get_device("cpu")
+    gives the thread emulation (same semantics), and says so."""
+    import minibatch.device as device
+
+    torch.zeros(1, device="cuda")
+    device._warned.clear()
+    with pytest.warns(UserWarning, match="runs as cpu-threads"):
+        d = device.get_device("cpu")
+    with d:
+        assert d.kind == "cpu-threads"
+        x = d.empty((1,), torch.int64).fill_(1)
+        d.stream("a").launch(x.add_, 2)
+        d.synchronize(timeout=10)
+        assert x.tolist() == [3]
