@@ -129,6 +129,10 @@ def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: boo
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     options = {k: v for k, v in dict(use_async_batching=use_async, use_cuda_graph=use_graphs,
                                      max_memory_percent=memory).items() if v is not None}
+    if model.device.type == "cpu":  # it sizes its KV cache and masks from ~60% of the RAM otherwise (GBs)
+        tokens = sum(len(p) + max_new_tokens for p in prompts)
+        options.update(num_blocks=-(-tokens // 256) + len(prompts),  # its blocks hold 256 tokens
+                       max_batch_tokens=min(512, max(64, sum(len(p) for p in prompts))))
     label = "hf" + ("" if use_async is None else "_async" if use_async else "_sync") + (
         "" if use_graphs is None else "_graphs" if use_graphs else "_eager")
     try:
