@@ -290,10 +290,12 @@ def main(argv=None) -> None:
     b.add_argument("--hf-memory", type=_float(0.0, 1.0, low_open=True), default=None,
                    help="with --hf-all / --hf-modes: fraction of GPU memory for its KV cache (default: its own; "
                         "its async modes have run out of memory at the default on an H200)")
-    b.add_argument("--floor", action="store_true", help="also time the floors: weight streaming, and all bytes (weights + keys/values) per decode step")
+    b.add_argument("--floor", action="store_true",
+                   help="also time the floors: weight streaming, and all bytes (weights + keys/values) per decode step")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
-                   help="decode-step attention (attention.py; auto: sdpa on CUDA, einsum on the CPU; triton: "
-                        "triton_decode.py, reads the KV cache in place). Decode-layout steps only: CUDA")
+                   help="decode-step attention (attention.py; auto: triton on CUDA where Triton is installed, else "
+                        "sdpa; einsum on the CPU; triton: triton_decode.py, reads the KV cache in place). "
+                        "Decode-layout steps only: CUDA")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
