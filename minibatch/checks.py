@@ -261,12 +261,10 @@ def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
     given = next(name_or_model.parameters()) if isinstance(name_or_model, PreTrainedModel) else None
     if given is not None and (device is None or device == "auto"):
         dev = given.device  # a model passed in keeps its device unless another is asked for
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = resolve_device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda" and dev.index is None:  # "cuda" means the current GPU: compare like with like
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dtype is None and given is not None:
         dtype = given.dtype  # ... and its dtype
     elif dtype is None:
