@@ -80,6 +80,7 @@ class Run:
     delays: dict | None
     on_step: Callable | None
     shape: _Shape
+    mode: str = "sync"  # which loop's step function advances it (STEPS)
     in_flight: tuple | None = None  # async: (plan, slot) of the batch the device is running
     launched: int = 0  # async: steps launched so far (picks the slot)
 
@@ -128,8 +129,7 @@ class Engine:
             scheduler.add(r)
         streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
         self.run = Run(scheduler, requests, timeline, streams, res.slots, res.runner, timeout, inject_delays,
-                       on_step, shape)
-        self._step_fn = STEPS[mode]
+                       on_step, shape, mode)
         return self.run
 
     def has_work(self) -> bool:
@@ -137,7 +137,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One turn of the loop: schedule, launch, update. Returns the requests that finished."""
-        return self._step_fn(self.run)
+        return STEPS[self.run.mode](self.run)
 
     def finish(self) -> list[Request]:
         """End the run: wait for the device, check that every KV block came back; its requests, in order."""
