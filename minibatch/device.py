@@ -54,9 +54,6 @@ BACKENDS = ("cpu", "cpu-threads", "cuda")
 __all__ = ["get_device", "BACKENDS", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
 
 
-_warned: list = []  # the fall-back to threads is said once per process
-
-
 def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Device:
     """Open the device layer: "cpu" (an emulated device process), "cpu-threads" (emulated with threads of
     this process) or "cuda"/"cuda:N" (a GPU).
@@ -71,11 +68,10 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     if name == "cpu" and torch.cuda.is_initialized():
         # a forked child of a process that has started CUDA cannot touch CUDA again (it dies with
         # "CUDA error: initialization error" as soon as torch asks for a device): on a GPU machine
-        # that has used its GPU, the emulated device runs as threads of this process instead
-        if not _warned:
-            _warned.append(True)
-            warnings.warn("this process has started CUDA, so the cpu device cannot fork a device process: it "
-                          "runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
+        # that has used its GPU, the emulated device runs as threads of this process instead (Python's
+        # default warning filter says so once per calling line)
+        warnings.warn("this process has started CUDA, so the cpu device cannot fork a device process: it "
+                      "runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
         return ThreadDevice(timeline, **{k: v for k, v in options.items() if k in ("switch_interval", "torch_threads")})
     if name == "cpu":
         return CpuDevice(timeline, inherit=inherit, **options)

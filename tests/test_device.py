@@ -295,3 +295,17 @@ def test_unknown_device_is_a_clear_error():
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError, match="no CUDA GPU"):
             get_device("cuda")
+
+
+def test_cpu_device_falls_back_to_threads_where_cuda_has_started(monkeypatch):
+    """A forked child cannot touch CUDA again, so once this process has started CUDA the cpu device runs
+    as threads, and says so (on a GPU machine, tests/test_gpu.py checks it with CUDA really started)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="runs as cpu-threads"):
+        d = get_device("cpu")
+    with d:
+        assert d.kind == "cpu-threads"
+        x = d.empty((1,), torch.int64).fill_(1)
+        d.stream("a").launch(x.add_, 2)
+        d.synchronize(timeout=T)
+        assert x.tolist() == [3]

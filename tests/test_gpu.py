@@ -174,7 +174,6 @@ def test_the_cpu_device_runs_as_threads_once_cuda_has_started():
     import minibatch.device as device
 
     torch.zeros(1, device="cuda")
-    device._warned.clear()
     with pytest.warns(UserWarning, match="runs as cpu-threads"):
         d = device.get_device("cpu")
     with d:
