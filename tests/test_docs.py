@@ -29,8 +29,10 @@ def test_every_data_file_and_figure_the_docs_name_exists():
 
 
 def test_no_tracked_file_speaks_of_how_the_project_was_developed():
-    words = r"\bsessions?\b|workplace|device tool|foundation run|next period|work period|\blease\b|\bissue #?[0-9]"
+    # each word written with one letter in brackets: the pattern matches the words, this line does not
+    words = (r"\bs[e]ssions?\b|workpl[a]ce|device t[o]ol|foundation r[u]n|next p[e]riod|work p[e]riod|\bl[e]ase\b|"
+             r"\bi[s]sue #?[0-9]")
     out = subprocess.run(["git", "grep", "-n", "-i", "-E", words, "--", "."], cwd=ROOT, capture_output=True,
                          text=True).stdout.splitlines()
-    hits = [line for line in out if 'scope="session"' not in line and "tests/test_docs.py" not in line]
+    hits = [line for line in out if 'scope="session"' not in line]
     assert not hits, "\n".join(hits[:10])
