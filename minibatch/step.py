@@ -67,13 +67,13 @@ class CompiledStep:
     (which see shapes in different orders) gave different bf16 tokens. To keep shapes few, compiled
     runs pad decode rows to kv_bucket keys (StepRunner.build). bf16 tokens may differ from the eager
     step's (other kernels round differently): compare compiled runs with compiled runs. The Triton
-    decode attention is not compiled: Inductor re-specializes its launch and promotes the kernel's
-    float arguments to float64, which the kernel's loop rejects; compiled steps use SDPA instead.
+    decode attention is a custom operator (triton_decode.paged_decode): Inductor compiles everything
+    around it and calls the kernel as it is.
     """
 
     def __init__(self, model) -> None:
         self.model = model
-        self.attention = "sdpa" if model.decode_attention == "triton" else model.decode_attention
+        self.attention = model.decode_attention
         self.shapes: set[tuple] = set()
         self._fn = None
 

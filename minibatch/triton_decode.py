@@ -141,36 +141,58 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """query [1, H, R, D] (after RoPE); caches [slots, KVH, D] (new keys already written) -> [1, R, H, D].
 
     `splits`: programs per (row, kv head) over the keys (None: `num_splits` decides; 1: no split).
+    The work is the custom operator `minibatch::paged_decode` (`paged_decode` below), so that
+    torch.compile treats the kernel as one opaque call instead of tracing into its launch.
     """
     if triton is None:
         raise RuntimeError('decode_attention="triton" needs the triton package (it comes with the CUDA '
                            "builds of PyTorch)")
-    rows, (_, heads, _, dim) = batch.decode_rows, query.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
+    dim = query.shape[-1]
     if dim & (dim - 1) or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError(f"the triton decode kernel needs a power-of-two head_dim and contiguous heads, got {dim}")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
+    return paged_decode(query, k_cache, v_cache, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions,
+                        batch.decode_rows, int(window or 0), float(scaling or dim**-0.5), splits or 0)
+
+
+# Why a custom operator: torch.compile, tracing into a Triton launch, re-specializes it and passes the
+# float scale as float64, which the kernel's loop rejects. Behind an operator, Inductor compiles
+# everything around it and calls the kernel as it is. The fake implementation tells the compiler the
+# output's shape without running anything.
+@torch.library.custom_op("minibatch::paged_decode", mutates_args=())
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
+                 kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor, rows: int, window: int,
+                 scaling: float, splits: int) -> torch.Tensor:
+    """The kernels' launch (splits 0: `num_splits` decides). Output [1, rows, H, D], a new tensor."""
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
     q = query[0].transpose(0, 1)  # [R, H, D], a view
     if q.stride(2) != 1:
         q = q.contiguous()
-    out = torch.empty(rows, heads, dim, device=query.device, dtype=query.dtype)
-    width = batch.kv_indices.shape[0] // rows
-    if splits is None:
+    out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
+    o = out[0]
+    width = kv_indices.shape[0] // rows
+    if splits == 0:
         splits = num_splits(rows, kv_heads, width, query.device)
-    if not isinstance(splits, int) or splits < 1:
-        raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
     keys_per_split = -(-width // splits // BLOCK_N) * BLOCK_N if splits > 1 else width  # whole chunks
     splits = -(-width // keys_per_split) if splits > 1 else 1  # none left empty
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
-               for n in (1, 1, dim)] if splits > 1 else [out, out, out]  # m, l, acc (unused without a split)
+               for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, out, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, *partial,
+        q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), width, keys_per_split, float(scaling or dim**-0.5),
+        o.stride(0), o.stride(1), width, keys_per_split, scaling,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=BLOCK_N,
-        WINDOW=int(window or 0), IEEE=query.dtype == torch.float32, SPLIT=splits > 1,
+        WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1,
     )
     if splits > 1:
-        _combine_kernel[(rows, heads)](*partial, out, out.stride(0), out.stride(1), heads, S=splits,
+        _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,
                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim)
-    return out[None]
+    return out
+
+
+@paged_decode.register_fake
+def _(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, splits):
+    return query.new_empty(1, rows, query.shape[1], query.shape[3])

@@ -85,3 +85,19 @@ def test_generate_with_the_kernel_gives_the_same_tokens(work, monkeypatch):
     monkeypatch.setattr(random_llama, "decode_attention", "triton")
     for mode in ("sync", "async"):
         assert minibatch.generate(random_llama, work, mode=mode, **kw) == flat
+
+
+def test_the_kernel_compiles_as_one_opaque_operator():
+    """torch.compile sees the kernel as the custom operator `minibatch::paged_decode`: no graph break,
+    the same numbers (the CPU half of what CompiledStep relies on; the GPU half is tests/test_gpu.py)."""
+    import torch._dynamo
+
+    cache, batch = _decode_batch([150, 7, 260])
+    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
+
+    def attend(q):
+        return triton_decode.decode_attention(q * 1.0, cache.keys[0], cache.values[0], batch, None, None) + 0.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")  # a graph break would raise
+    torch.testing.assert_close(compiled(query), attend(query), atol=0, rtol=0)

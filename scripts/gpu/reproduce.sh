@@ -9,7 +9,9 @@
 #              and transformers' generate_batch in each of its modes, each in a process of its own
 #   eager      the same workload without CUDA graphs (every step eager)
 #   arrivals   the same workload with requests arriving over the first 128 steps (prefill steps all along)
-#   compile    sync and async with torch.compile'd decode steps
+#   compile    sync and async with torch.compile'd decode steps, beside transformers' generate_batch modes
+#   floor      the decode step at fixed batch x context against its full floor, default and compiled
+#              (floor_matrix.py)
 #   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
 #              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
@@ -20,7 +22,7 @@
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile kernels triton profile sweep host}
+sections=${*:-tests headline eager arrivals compile floor kernels triton profile sweep host}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -39,8 +41,10 @@ for s in $sections; do
              --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     arrivals) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --arrivals 128 \
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
-    compile) python3 -m minibatch bench "${eightb[@]}" --modes sync+compile,async+compile --floor \
-               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
+    compile) python3 -m minibatch bench "${eightb[@]}" --modes sync,async,sync+compile,async+compile --floor \
+               --hf --hf-all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
+    floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile > "$out/$s/floor.log" 2>&1
+           tail -12 "$out/$s/floor.log" ;;
     kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
              tail -20 "$out/$s/attention_ab.log"
              python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;

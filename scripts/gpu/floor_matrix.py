@@ -1,0 +1,130 @@
+"""The decode step against its full floor, at fixed batch sizes and context lengths (GPU only).
+
+    python3 scripts/gpu/floor_matrix.py OUTDIR [--model llama3-8b-shape] [--batches 1,8,32,128]
+                                               [--contexts 512,2048] [--compile]
+
+Why not read the step off a generate run: there the batch changes as requests arrive and finish, and
+at large batch x context most steps are prefill. Here every point is one decode step at exactly
+`batch` rows of `context` tokens each:
+
+* a paged KV cache holds `batch` requests of `context` tokens, filled with random values (a step's
+  time does not depend on them; nothing is prefilled, which at 128 x 2048 tokens would take longer
+  than the whole measurement);
+* the step's batch is built and run by the engine's own StepRunner, IO slot and CUDA graph (what
+  `generate` does for a decode step), greedy sampling;
+* the graph is replayed `--replays` times between two CUDA events: mean milliseconds per step;
+* floor: `bench.decode_floor_ms`, the weights plus every row's keys and values at the copy bandwidth
+  measured in the same process.
+
+Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
+installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
+shapes; coarser key buckets), with the seconds its first call took (compilation) beside it.
+Writes OUTDIR/floor_matrix.json after every point, and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import minibatch  # noqa: E402
+from minibatch import bench  # noqa: E402
+from minibatch.device import get_device  # noqa: E402
+from minibatch.requests import Request  # noqa: E402
+from minibatch.scheduler import Scheduler  # noqa: E402
+from minibatch.slots import IOSlot  # noqa: E402
+from minibatch.step import CompiledStep, StepRunner, copy_pairs  # noqa: E402
+
+BLOCK = 16
+
+
+def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | None, replays: int) -> dict:
+    """Mean ms of one graphed decode step at `batch` rows x `context` tokens (+ the new one)."""
+    cache = model.make_cache(batch * (-(-(context + 2) // BLOCK) + 1) + 8, BLOCK)
+    for layer in range(model.num_layers):  # stand-in contents: the time does not depend on them
+        cache.keys[layer].normal_()
+        cache.values[layer].normal_()
+    sched = Scheduler(cache.allocator, batch * context, batch)
+    for i in range(batch):
+        sched.add(Request(i, [1] * context, 4))
+    prefill = sched.schedule()
+    assert len(prefill.chunks) == batch and all(c.num_tokens == context for c in prefill.chunks)
+    sched.update(prefill, [2] * batch)  # as if prefilled: the cache's cells are allocated and counted
+    plan = sched.schedule()
+    assert all(c.num_tokens == 1 for c in plan.chunks) and len(plan.chunks) == batch
+    runner = StepRunner(model, cache, use_graphs=True, compiled=compiled)
+    host = runner.build(plan)
+    slot = IOSlot(dev, 0, host.input_ids.shape[0], host.kv_indices.shape[0], host.input_ids.shape[0])
+    slot.load(host, [])
+    copy_pairs(slot.h2d_pairs())
+    args = slot.bind(None)
+    t = time.perf_counter()
+    runner(args)  # eager warm-up (and compilation), capture, one replay
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t
+    graph = runner.graphs[args.key]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / replays
+    keys = host.kv_indices.shape[0] // host.decode_rows
+    del runner, graph, args, slot, cache
+    torch.cuda.empty_cache()
+    return {"ms": ms, "first_call_s": first_s, "rows_padded": host.decode_rows, "keys_per_row": keys}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="folder for floor_matrix.json")
+    ap.add_argument("--model", default="llama3-8b-shape")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd step")
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("floor_matrix.py measures CUDA graph replays: it needs a CUDA GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = minibatch.load_model(args.model, device="cuda")
+    bandwidth = bench.measure_bandwidth(model.device)
+    env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+           "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention}
+    print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
+    paths = {"default": None}
+    if args.compile:
+        paths["compile"] = CompiledStep(model)
+    points = []
+    print(f"{'batch':>5} {'context':>7} {'floor ms':>8} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
+          flush=True)
+    with get_device("cuda") as dev:
+        for batch in batches:
+            for context in contexts:
+                floor = bench.decode_floor_ms(model, batch, context + 1, bandwidth)
+                row = {"batch": batch, "context": context, "floor_ms": floor}
+                for name, compiled in paths.items():
+                    r = decode_point(model, dev, batch, context, compiled, args.replays)
+                    row[name] = {**r, "over_floor": r["ms"] / floor}
+                points.append(row)
+                print(f"{batch:5d} {context:7d} {floor:8.2f} " + " ".join(
+                    f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
+                    + "".join(f"   ({p}: first call {row[p]['first_call_s']:.1f} s)" for p in paths if p != "default"),
+                    flush=True)
+                (out / "floor_matrix.json").write_text(json.dumps({"env": env, "points": points}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
