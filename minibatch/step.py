@@ -71,8 +71,9 @@ class CompiledStep:
     around it and calls the kernel as it is.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, mode: str | None = None) -> None:
         self.model = model
+        self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
         self.attention = model.decode_attention
         self.shapes: set[tuple] = set()
         self._fn = None
@@ -90,7 +91,7 @@ class CompiledStep:
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
                 if hasattr(dynamo.config, name):  # one compile per shape: room for a few dozen
                     setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
-            self._fn = torch.compile(self.model.forward_sample, dynamic=False)
+            self._fn = torch.compile(self.model.forward_sample, dynamic=False, mode=self.mode)
         with torch.inference_mode():
             return self._fn(batch, cache, self.attention)
 

@@ -14,7 +14,8 @@ at large batch x context most steps are prefill. Here every point is one decode 
   `generate` does for a decode step), greedy sampling;
 * the graph is replayed `--replays` times between two CUDA events: mean milliseconds per step;
 * floor: `bench.decode_floor_ms`, the weights plus every row's keys and values at the copy bandwidth
-  measured in the same process.
+  measured in the same process; beside it "linear": every Linear layer of the model once at that
+  batch, in one CUDA graph (`bench.weight_floor_ms`), what the matrix products alone take.
 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
@@ -90,6 +91,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd step")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs: Inductor times "
+                         "its own matrix-product kernels against cuBLAS for each shape; much longer compiles)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -101,25 +105,27 @@ def main() -> None:
     model = minibatch.load_model(args.model, device="cuda")
     bandwidth = bench.measure_bandwidth(model.device)
     env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+           "compile_mode": args.compile_mode,
            "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention}
     print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
     paths = {"default": None}
     if args.compile:
-        paths["compile"] = CompiledStep(model)
+        paths["compile"] = CompiledStep(model, args.compile_mode)
     points = []
-    print(f"{'batch':>5} {'context':>7} {'floor ms':>8} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
+    print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
           flush=True)
     with get_device("cuda") as dev:
         for batch in batches:
+            linear = bench.weight_floor_ms(model, batch)
             for context in contexts:
                 floor = bench.decode_floor_ms(model, batch, context + 1, bandwidth)
-                row = {"batch": batch, "context": context, "floor_ms": floor}
+                row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear}
                 for name, compiled in paths.items():
                     r = decode_point(model, dev, batch, context, compiled, args.replays)
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                 points.append(row)
-                print(f"{batch:5d} {context:7d} {floor:8.2f} " + " ".join(
+                print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
                     + "".join(f"   ({p}: first call {row[p]['first_call_s']:.1f} s)" for p in paths if p != "default"),
                     flush=True)
