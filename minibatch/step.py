@@ -61,14 +61,17 @@ class CompiledStep:
 
     Why: an eager step is a long chain of small elementwise kernels (RMSNorm, rotary embedding, MLP
     activations), each a separate read and write of a [rows, hidden] tensor; Inductor fuses them.
-    What it costs: compilation, once per decode shape (rows, keys, greedy or not, cache size). Static
-    shapes, so a shape always gets the same kernels: with PyTorch's "automatic dynamic" shapes the
-    kernels that served a shape depended on the order shapes came up in, and sync and async runs
-    (which see shapes in different orders) gave different bf16 tokens. To keep shapes few, compiled
-    runs pad decode rows to kv_bucket keys (StepRunner.build). bf16 tokens may differ from the eager
-    step's (other kernels round differently): compare compiled runs with compiled runs. The Triton
-    decode attention is a custom operator (triton_decode.paged_decode): Inductor compiles everything
-    around it and calls the kernel as it is.
+    What it costs: compilation, once per decode shape (rows, greedy or not, cache size, and keys per
+    row unless the attention is Triton's). Static shapes, so a shape always gets the same kernels:
+    with PyTorch's "automatic dynamic" shapes the kernels that served a shape depended on the order
+    shapes came up in, and sync and async runs (which see shapes in different orders) gave different
+    bf16 tokens. The one exception is made where it cannot change a kernel: the Triton decode
+    attention is a custom operator (triton_decode.paged_decode) that Inductor calls as it is, and the
+    key tensors go nowhere else, so their length is marked dynamic: one compile serves every context
+    length, and compiled steps pad keys as finely as eager ones (decode_kv_bucket). With the other
+    attentions, the keys' length shapes the compiled kernels, and compiled runs pad decode rows to
+    the coarser kv_bucket keys to keep compiles few (StepRunner.build). bf16 tokens may differ from
+    the eager step's (other kernels round differently): compare compiled runs with compiled runs.
     """
 
     def __init__(self, model, mode: str | None = None) -> None:
@@ -78,13 +81,24 @@ class CompiledStep:
         self.shapes: set[tuple] = set()
         self._fn = None
 
+    @property
+    def dynamic_keys(self) -> bool:
+        """Whether one compile serves every number of keys per row (see the class doc)."""
+        return self.attention == "triton"
+
     def __call__(self, batch, cache) -> torch.Tensor:
-        shape = (batch.decode_rows, batch.kv_indices.shape[0] // batch.decode_rows, batch.all_greedy,
-                 cache.num_cells)
+        width = None if self.dynamic_keys else batch.kv_indices.shape[0] // batch.decode_rows
+        shape = (batch.decode_rows, width, batch.all_greedy, cache.num_cells)
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
-            print(f"torch.compile: decode step for {shape[0]} rows x {shape[1]} keys"
+            keys = "any number of" if width is None else str(width)
+            print(f"torch.compile: decode step for {shape[0]} rows x {keys} keys"
                   f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
+        if self.dynamic_keys:
+            import torch._dynamo as dynamo
+
+            for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
+                dynamo.mark_dynamic(t, 0)
         if self._fn is None:
             import torch._dynamo as dynamo
 
@@ -153,8 +167,9 @@ class StepRunner:
     def build(self, plan: BatchPlan):
         # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
         rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
-        # compiled steps compile once per shape: coarser key buckets, fewer shapes
-        decode_bucket = self.model.kv_bucket if self.compiled else self.model.decode_kv_bucket
+        # steps compiled for a fixed number of keys compile once per shape: coarser key buckets
+        coarse = self.compiled is not None and not self.compiled.dynamic_keys
+        decode_bucket = self.model.kv_bucket if coarse else self.model.decode_kv_bucket
         return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
 
     def __call__(self, args: StepArgs) -> None:

@@ -55,6 +55,31 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert minibatch.generate(model, work, mode="async", compile=True, **kw) == eager
 
 
+def test_one_compile_serves_every_context_length_with_the_triton_attention():
+    """With the Triton attention the keys' length is dynamic in the compiled step: contexts that cross
+    several key buckets compile once per row count, and sync and async still agree in bf16."""
+    from minibatch import triton_decode
+
+    if not triton_decode.available():
+        pytest.skip("needs triton")
+    model = minibatch.load_model("random-llama", device="cuda")
+    g = torch.Generator().manual_seed(6)
+    work = torch.randint(0, model.vocab_size, (8, 40), generator=g).tolist()
+    kw = dict(max_new_tokens=150, max_batch_size=8, max_batch_tokens=512, temperature=0.0)
+    from torch._dynamo.utils import counters
+
+    engine = minibatch.Engine(model)
+    before = counters["stats"]["unique_graphs"]
+    sync = engine.generate(work, mode="sync", compile=True, **kw)  # contexts 40 -> 190: four 64-key buckets
+    compiled = engine._compiled
+    assert compiled.dynamic_keys and {s[1] for s in compiled.shapes} == {None}
+    rows = {s[0] for s in compiled.shapes}
+    assert counters["stats"]["unique_graphs"] - before == len(rows)  # one compile per row count
+    assert engine.generate(work, mode="async", compile=True, **kw) == sync
+    assert counters["stats"]["unique_graphs"] - before == len(rows)
+    engine.close()
+
+
 def test_bf16_sync_and_async_with_graphs_agree():
     """bf16: sync and async replay the same graphs on the same shapes, so they agree exactly.
 
