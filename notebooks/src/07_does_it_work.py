@@ -212,7 +212,7 @@ for ax, context in zip(axes, (512, 2048)):
                                                         "floor": "full floor (bytes / bandwidth)"}.get(key, key))
     for i, m in enumerate(pts):
         ax.annotate(f"{m['compile'] / m['floor']:.2f}x", (i, m["compile"]), textcoords="offset points",
-                    xytext=(0, -12), ha="center", fontsize=8, color="tab:orange")
+                    xytext=(5, 5), ha="left", fontsize=8, color="tab:orange")
     ax.set_xticks(list(x), [str(m["batch"]) for m in pts])
     ax.set_xlabel(f"batch (rows), context {context}")
     ax.set_title(f"8B shape, context {context}", fontsize=10)
