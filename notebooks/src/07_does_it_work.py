@@ -162,8 +162,9 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # %% [markdown]
 # Read it top to bottom; each of the first four bars is one more change, all measured in one process.
 # The last bar comes from a second process (`step_ab.py --compile`, its own floor: 4.64 ms again) and
-# goes back to 512 keys, because compiled runs pad to 256-key buckets to keep the number of shapes,
-# each a compilation, small:
+# goes back to 512 keys: when it was recorded, the compiled step used SDPA, whose kernels depend on
+# the number of keys, so compiled runs padded keys to 256-key buckets to keep compilations few (with
+# the Triton kernel below, one compilation now serves every number of keys):
 #
 # 1. **Greedy rows need no sort.** The sampler sorts the 128k-token vocabulary of every row (for
 #    top-k/top-p) even when every row is greedy. The host knows when a batch is all greedy, so it
