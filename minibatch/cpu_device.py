@@ -24,7 +24,8 @@ machine); a launch, 0.1-0.2 ms of host time (pickling the work and one write to 
 and waits are queued and go with the next launch); an event round trip, 0.1-0.2 ms. A decode step
 of the tiny model (three launches, one round trip) pays that instead of a GIL shared with the device:
 on two cores the async loop then wins back most of the host's share of a step. The host keeps one
-torch thread while the device is open: a second one waits for the core the device is using.
+torch thread while the device is open: a second one waits for the core the device is using. The
+device process is pinned to every core but the host's first one (where the platform allows it).
 Needs the `fork` start method (Linux, macOS): elsewhere opening it raises; use "cpu-threads".
 
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
@@ -124,9 +125,15 @@ class CpuDevice(Device):
         if "fork" not in multiprocessing.get_all_start_methods():
             raise DeviceError("the 'cpu' device forks a device process, and this platform cannot fork; "
                               "use get_device('cpu-threads') (threads of this interpreter, no overlap of Python work)")
-        if torch_threads is None:  # the host keeps one core
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-            torch_threads = max(1, cores - 1)
+        # The host keeps one core, the device process is pinned to the others (where the platform can
+        # pin), as a GPU is a processor of its own. Unpinned, the scheduler now and then put the device's
+        # forward pass on the core the host was using, and its compute spans in the async loop grew
+        # by a fifth (BENCHMARKS.md, the cpu device as a process).
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        device_cores = cores[1:] if cores and len(cores) >= 2 else None
+        if torch_threads is None:
+            n = len(cores) if cores else os.cpu_count() or 2
+            torch_threads = max(1, n - 1)
         self._closed, self._error, self._broken, self._holds_threads = False, None, False, False
         self._streams: dict[str, CpuStream] = {}
         self._events: dict[int, CpuEvent] = {}
@@ -152,7 +159,7 @@ class CpuDevice(Device):
         self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
         self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
         self._proc = ctx.Process(target=device_process.serve, name="minibatch-device", daemon=True,
-                                 args=(child, self._conn, switch_interval, torch_threads))
+                                 args=(child, self._conn, switch_interval, torch_threads, device_cores))
         try:  # from here on, whatever happens, close() leaves nothing behind
             with deferred_interrupts():  # a half-opened device could not be closed cleanly
                 self._start(child)

@@ -231,12 +231,14 @@ class DeviceSide:
         return True
 
 
-def serve(conn, host_conn, switch_interval: float, torch_threads: int) -> None:
+def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=None) -> None:
     """The device process's main loop (the target of the forked process); never returns normally."""
     code = 0
     try:
         host_conn.close()  # our copy of the host's end: the host's exit must reach us as end-of-file
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle; it then closes us
+        if cores:  # this process and the threads it starts stay off the host's core
+            os.sched_setaffinity(0, cores)
         torch.set_num_threads(torch_threads)
         from . import thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
 

@@ -255,6 +255,10 @@ def test_the_cpu_device_is_a_process_of_its_own():
         d.synchronize(timeout=T)
         assert host_view(pid)[0] not in (0, os.getpid())
         assert d.startup_seconds < 3.0
+        if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2:
+            mine = sorted(os.sched_getaffinity(0))  # the host keeps its first core; the device gets the rest
+            assert sorted(os.sched_getaffinity(d._proc.pid)) == mine[1:]
+            assert sorted(os.sched_getaffinity(0)) == mine  # the host's own setting is left alone
     assert not d._proc.is_alive()
 
 
