@@ -15,7 +15,7 @@ It owns what a GPU would own: the model's weights (inherited at fork), the KV ca
 side of the IO slots. `dev.empty` and `dev.pin` allocate in shared memory, so an H2D copy is a
 real copy done by the device side, and a host that rewrites a slot too early still corrupts the
 device's input: the races of notebook 04 stay real. Work and its arguments are pickled at launch
-(device_process.py says how); a plain host tensor in device work is refused, as a GPU kernel cannot
+(device_names.py says how); a plain host tensor in device work is refused, as a GPU kernel cannot
 touch pageable host memory either. So are effects on host objects: a launched function that
 appends to a host list appends to the device process's copy of it.
 
@@ -36,7 +36,6 @@ unusable: the device then counts as failed (sticky, like any device error) and i
 from __future__ import annotations
 
 import atexit
-import itertools
 import multiprocessing
 import os
 import pickle
@@ -49,6 +48,7 @@ import torch
 
 from . import device_process
 from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
+from .device_names import Names
 from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
 
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
@@ -137,24 +137,12 @@ class CpuDevice(Device):
         self._closed, self._error, self._broken, self._holds_threads = False, None, False, False
         self._streams: dict[str, CpuStream] = {}
         self._events: dict[int, CpuEvent] = {}
-        self._keys = itertools.count(1)
-        self._storage_keys: dict[int, int] = {}  # data_ptr of a shared storage -> its key
-        self._sent: dict[int, tuple] = {}  # id(obj) -> (weak reference, key) of objects sent by value
-        self._dropped_storages: list[int] = []
-        self._dropped_objects: list[int] = []
         self._timelines: dict[int, object] = {}
         self._timeline_key = None
         self._queue: list[bytes] = []  # messages not sent yet
         self._fds: list = []  # the queued storages, whose file descriptors follow the queue
         t0 = time.perf_counter()
-        # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
-        # device names them by address instead of receiving a copy (a scan of every object for them
-        # took longer than the fork itself)
-        self._forked = {}
-        for obj in inherit:
-            held = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)] if hasattr(obj, "__dict__") else []
-            for o in [obj, *held, *(m for h in held for m in h.modules())]:
-                self._forked[id(o)] = weakref.ref(o)
+        self._names = Names(inherit)  # what the device process holds, and how work's objects travel
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
         self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
@@ -191,7 +179,7 @@ class CpuDevice(Device):
         return self._streams[name]
 
     def event(self) -> CpuEvent:
-        key = next(self._keys)
+        key = self._names.new_key()
         ev = self._events[key] = CpuEvent(self, key)
         return ev
 
@@ -216,13 +204,11 @@ class CpuDevice(Device):
         t.share_memory_()
         storage = t.untyped_storage()
         _, nbytes = storage._share_fd_cpu_()
-        key, ptr = next(self._keys), storage.data_ptr()
+        key = self._names.new_key()
         # the queue keeps the storage (and so its file descriptor) alive until it is sent; no duplicate
         # descriptor that an interrupt could leave open
         self._send(("s", key, nbytes), storage)
-        self._storage_keys[ptr] = key
-        # views keep their base alive, so the storage is dropped when the last view goes
-        weakref.finalize(t, self._drop_storage, ptr, key)
+        self._names.add_storage(t, key)
         return t
 
     def set_timeline(self, timeline) -> None:
@@ -230,7 +216,7 @@ class CpuDevice(Device):
         self.timeline = timeline
         self._timeline_key = None
         if timeline is not None:
-            self._timeline_key = next(self._keys)
+            self._timeline_key = self._names.new_key()
             self._timelines = {k: v for k, v in self._timelines.items() if v is not None}
             self._timelines[self._timeline_key] = timeline
 
@@ -274,37 +260,10 @@ class CpuDevice(Device):
             self._fds = []
 
     # --- messages -------------------------------------------------------------------------------------
-    def reference(self, obj, pickler):
-        """How an object travels to the device process (device_process.py): None means by value."""
-        if isinstance(obj, torch.Tensor):
-            if obj.numel() == 0:
-                return None
-            key = self._storage_keys.get(obj.untyped_storage().data_ptr())
-            if key is not None:
-                return device_process.view, (key, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.dtype)
-            if pickler.inside_resident:
-                return None  # e.g. a model's weights, when the model is sent by value
-            raise DeviceError("device work got a plain host tensor (shape " + str(tuple(obj.shape)) + "); the "
-                              "device cannot reach pageable host memory, as a GPU kernel cannot: allocate it "
-                              "with dev.empty (device memory) or dev.pin (host memory the device reaches)")
-        if isinstance(obj, device_process.resident_types()):
-            i = id(obj)
-            ref = self._forked.get(i)
-            if ref is not None and ref() is obj:
-                return device_process.forked, (i,)
-            entry = self._sent.get(i)
-            if entry is not None and entry[0]() is obj:
-                return device_process.named, (entry[1],)
-            key = next(self._keys)
-            data = device_process.dumps(obj, self, top=obj, inside_resident=True, pending=pickler.pending)
-            pickler.pending.append((obj, key))
-            return device_process.named_new, (key, data)
-        return None
-
     def _send_work(self, msg, what: str) -> None:
         pending: list = []
         try:
-            data = device_process.dumps(msg, self, pending=pending)
+            data = device_process.dumps(msg, self._names, pending=pending)
         except DeviceError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -312,27 +271,7 @@ class CpuDevice(Device):
                               f"{type(exc).__name__}: {exc}") from exc
         self._post(data, flush=True)
         for obj, key in pending:  # sent: from now on the device knows them by key
-            self._remember(obj, key)
-
-    def _remember(self, obj, key: int) -> None:
-        i, dropped = id(obj), self._dropped_objects
-
-        def forget(_ref, i=i, key=key) -> None:
-            entry = self._sent.get(i)
-            if entry is not None and entry[1] == key:
-                del self._sent[i]
-            dropped.append(key)
-
-        try:
-            ref = weakref.ref(obj, forget)
-        except TypeError:  # cannot be weakly referenced: kept alive with the device
-            ref = (lambda o: lambda: o)(obj)
-        self._sent[i] = (ref, key)
-
-    def _drop_storage(self, ptr: int, key: int) -> None:
-        if self._storage_keys.get(ptr) == key:
-            del self._storage_keys[ptr]
-        self._dropped_storages.append(key)
+            self._names.remember(obj, key)
 
     def _send(self, msg, storage=None, flush: bool = False) -> None:
         self._check()
@@ -340,10 +279,9 @@ class CpuDevice(Device):
 
     def _post(self, item: bytes, flush: bool, storage=None) -> None:
         """Queue a message (and a storage whose file descriptor goes with it); with `flush`, send the queue."""
-        if self._dropped_storages or self._dropped_objects:
-            storages, objects = self._dropped_storages[:], self._dropped_objects[:]
-            del self._dropped_storages[:len(storages)], self._dropped_objects[:len(objects)]
-            self._queue.append(pickle.dumps(("F", storages, objects)))
+        dropped = self._names.take_dropped()
+        if dropped is not None:
+            self._queue.append(pickle.dumps(("F", *dropped)))
         self._queue.append(item)
         if storage is not None:
             self._fds.append(storage)
