@@ -362,19 +362,24 @@ with minibatch.Engine(model) as engine:
 
 # %% [markdown]
 # What we measured with `scripts/cpu_overlap.py` (seven alternating pairs; the tiny model, 8 prompts
-# x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine: with nothing
-# else running, a median async/sync ratio of 0.82, spread 0.66-0.98, device busy from 71% (sync) to
-# 97% (async), the same tokens; with other people's jobs on the same cores, medians of 0.85 to 1.0. The asynchronous loop is faster on a CPU,
+# x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine with nothing
+# else running: medians of the async/sync ratio of 0.71 to 0.92 over eight runs (0.82-0.84 in the
+# three runs of fifteen pairs), single pairs from 0.51 to 1.17, device busy from 75% (sync) to 96%
+# (async), the same tokens; with other people's jobs on the same cores, medians of 0.85 to 1.0.
+# The asynchronous loop is faster on a CPU,
 # without any injected delay, because the emulated device is a **process of its own** (notebook
 # 02): its forward pass runs on one core while the host prepares the next batch on the other.
 #
 # Why not more? A decode step costs the host about 1 ms (prepare + update) and the device about
 # 5 ms, plus about 1.5 ms of copies, messages and waking up the other side, which the synchronous
 # loop pays in turn and the asynchronous one hides. So about 0.7 is within reach on two idle cores.
-# On a busy machine, though, a third program takes turns with our two processes, and the device's
-# forward pass gets slower in the asynchronous run, when the host is busy at the same time (each
-# compute span was about 1.3 times longer there): overlap pays only when there is a free core to
-# overlap into. (With the older emulation, threads of one interpreter, the ratio was 0.89-1.05:
+# Two things keep it from that. The device does its own bookkeeping on its core (unpacking the next
+# step's launches, copies, telling the host an event was reached): in the asynchronous loop that
+# happens during a forward pass and lengthens it a little. And where the operating system is free
+# to move processes between cores, it sometimes put the device's forward pass on the host's core
+# (compute spans about 1.2 times longer); the device process is therefore pinned to the cores the
+# host does not use first. On a busy machine a third program takes turns with our two processes:
+# overlap pays only when there is a free core to overlap into. (With the older emulation, threads of one interpreter, the ratio was 0.89-1.05:
 # the device's Python and the host's took turns holding the GIL.)
 #
 # With 5 ms of device time per step that needs no CPU (the injected delay is a sleep), the host's
