@@ -94,14 +94,12 @@ class CompiledStep:
             keys = "any number of" if width is None else str(width)
             print(f"torch.compile: decode step for {shape[0]} rows x {keys} keys"
                   f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
-        if self.dynamic_keys:
-            import torch._dynamo as dynamo
+        import torch._dynamo as dynamo
 
+        if self.dynamic_keys:
             for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
                 dynamo.mark_dynamic(t, 0)
         if self._fn is None:
-            import torch._dynamo as dynamo
-
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
                 if hasattr(dynamo.config, name):  # one compile per shape: room for a few dozen
                     setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
