@@ -177,8 +177,8 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 #    less padding (more CUDA graphs, one per bucket): -0.4 ms at this context.
 # 4. **Fewer kernels** (the last bar, compared with the third). The step is still ~1700 kernels, most of them tiny elementwise operations
 #    of RMSNorm, rotary embedding and the MLP, each reading and writing a small tensor. `torch.compile`
-#    fuses them into 686 kernels (`generate(..., compile=True)`), at the price of about 45 s of
-#    compilation per decode shape on the 8B model.
+#    fuses them into 686 kernels (`generate(..., compile=True)`), at the price of 30-45 s of
+#    compilation on the 8B model for every decode shape (now: for every row count, below).
 #
 # What is left? The kernel table of the step (`gpu_step_ab_8b.txt`) says: the matrix products take
 # ~4.7 ms; gathering each row's keys and values out of the paged cache into a contiguous copy
