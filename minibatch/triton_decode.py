@@ -1,6 +1,7 @@
 """Decode attention that reads the paged KV cache in place: a small Triton kernel (notebook 07).
 
-Status: the decode attention on a GPU where Triton is installed (`Model.decode_attention`); checked
+Status: the decode attention on a GPU where Triton is installed (`Model.decode_attention`), eager and
+inside torch.compile'd steps (as the custom operator `minibatch::paged_decode`); checked
 against the einsum reference on the GPU (float32 and bf16) and on the CPU with Triton's interpreter
 (tests/test_paged_kernel.py, skipped where Triton is not installed); timed against the gather + SDPA
 path by scripts/gpu/decode_attention_ab.py (BENCHMARKS.md).
