@@ -1,9 +1,11 @@
 """Does the async loop beat the sync loop on a CPU? Alternating sync/async pairs in one process.
 
-    PYTHONPATH=$PWD python scripts/cpu_overlap.py OUT_DIR [--pairs 7] [--device cpu|cpu-threads]
+    PYTHONPATH=$PWD python scripts/cpu_overlap.py OUT_DIR [--pairs 7] [--device cpu|cpu-threads] [--like-demo]
 
 The demo's kind of workload: the tiny model, 8 prompts x 48 new tokens, seeded sampling at T=0.7, no
-injected delay, one Engine for every run. Pairs alternate (sync then async, async then sync, ...) so
+injected delay, one Engine for every run, batches of up to 8 rows and 64 tokens. With --like-demo,
+exactly what `python -m minibatch demo` runs instead: its prompts, batches of up to 4 rows and 32
+tokens, stopping at the end-of-text token. Pairs alternate (sync then async, async then sync, ...) so
 that a change in the machine's load hits both modes alike. Prints each pair's async/sync wall ratio,
 their median and spread, whether the tokens are equal (they must be), the device's busy share per
 mode, and what a decode step costs the host (prepare + update) and the device (compute); writes it
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cpu-threads"])
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--like-demo", action="store_true",
+                    help="the demo's own prompts and batch limits (4 rows, 32 tokens) instead of 8 rows, 64 tokens")
     args = ap.parse_args()
     if args.pairs < 1:
         raise SystemExit("--pairs must be >= 1")
@@ -56,6 +60,12 @@ def main() -> None:
     model = minibatch.load_model("tiny", device="cpu")
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     kw = dict(max_batch_size=8, max_batch_tokens=64, temperature=0.7, seed=0)
+    if args.like_demo:  # as minibatch.__main__.demo runs it
+        from minibatch.__main__ import DEMO_PROMPTS
+
+        prompts = [model.tokenizer.encode(p) for p in DEMO_PROMPTS]
+        kw = dict(eos_token_id=model.tokenizer.eos_token_id, max_batch_size=4, max_batch_tokens=32,
+                  temperature=0.7, seed=0)
     eng = minibatch.Engine(model)
     bench.run_mode(eng, prompts, "sync", args.max_new_tokens, **kw)  # warm-up: first-call costs out of the way
     pairs, same = [], True
