@@ -238,7 +238,10 @@ def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=Non
         host_conn.close()  # our copy of the host's end: the host's exit must reach us as end-of-file
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle; it then closes us
         if cores:  # this process and the threads it starts stay off the host's core
-            os.sched_setaffinity(0, cores)
+            try:
+                os.sched_setaffinity(0, cores)
+            except OSError:  # (a sandbox that forbids it) pinning is a speed-up, not a requirement
+                pass
         torch.set_num_threads(torch_threads)
         from . import thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
 
