@@ -57,9 +57,10 @@ def resident_types() -> tuple[type, ...]:
     if _RESIDENT is None:
         from .kv_cache import PagedKVCache
         from .model import Model
+        from .slots import SlotBuffers
         from .step import CompiledStep, StepRunner
 
-        _RESIDENT = (torch.nn.Module, Model, PagedKVCache, StepRunner, CompiledStep)
+        _RESIDENT = (torch.nn.Module, Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
     return _RESIDENT
 
 

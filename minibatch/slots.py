@@ -66,6 +66,7 @@ class IOSlot:
         self.dev["carry"] = device_buffer(max_rows, torch.int64, -1)
         self.out_host = dev.pin(torch.zeros(max_rows, dtype=torch.int64))
         self.out_dev = device_buffer(max_rows, torch.int64)
+        self.buffers = SlotBuffers(index, self.host, self.dev, self.out_host, self.out_dev)
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
         self.keys_held = None  # the decode_keys.KeySource whose keys the host buffers hold, if any
@@ -91,6 +92,10 @@ class IOSlot:
         self.sizes["carry"] = self.host["carry"].shape[0]
         self.layout = batch.layout()
 
+    def used(self) -> tuple:
+        """((field, entries used), ...) of the loaded batch: with `buffers`, what a launch needs."""
+        return tuple(self.sizes.items())
+
     def h2d_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device, host) views of the used prefix of every buffer: what the H2D copy moves."""
         return [(self.dev[name][:n], self.host[name][:n]) for name, n in self.sizes.items() if n]
@@ -105,16 +110,7 @@ class IOSlot:
         (On the cpu backend the work runs later, on the device side; binding now keeps a later `load`
         of the host side from changing which shapes that work uses, so a race corrupts data, not shapes.)
         """
-        n = self.sizes["input_ids"]
-        views = {name: self.dev[name][: self.sizes[name]] for name in TENSOR_FIELDS}
-        views["input_ids"] = self.dev["patched_ids"][:n]
-        return StepArgs(
-            patched_ids=self.dev["patched_ids"][:n], input_ids=self.dev["input_ids"][:n],
-            source=(prev or self).out_dev,  # sync loop: no previous slot, and the mask is all -1
-            carry=self.dev["carry"], out=self.out_dev,
-            batch=Batch(**views, **self.layout),
-            key=(self.index, None if prev is None else prev.index, self.sizes["kv_indices"], *self.layout.values()),
-        )
+        return bound_args(self.buffers, prev and prev.buffers, self.used(), tuple(self.layout.items()))
 
     def sampled(self, rows: int) -> list[int]:
         """The first `rows` sampled ids on the host (only after d2h_done)."""
@@ -132,3 +128,45 @@ class StepArgs:
     out: torch.Tensor
     batch: Batch
     key: tuple  # (slot, previous slot, keys, decode rows, all greedy): one CUDA graph per key
+
+
+class SlotBuffers:
+    """One slot's buffers by field name, host side and device side: all that its copies and its
+    compute work read or write.
+
+    Why it exists apart from IOSlot: launch_step sends this object with the entries used, instead of
+    the ~30 views that a step's copies and compute read. On the cpu device it travels once and is
+    named afterwards (device_process.resident_types), and the device side cuts the views itself, which
+    is cheaper than rebuilding them from a message while the forward pass needs the same core.
+    """
+
+    def __init__(self, index: int, host: dict, dev: dict, out_host: torch.Tensor, out_dev: torch.Tensor) -> None:
+        self.index, self.host, self.dev, self.out_host, self.out_dev = index, host, dev, out_host, out_dev
+
+
+def copy_in(buffers: SlotBuffers, used: tuple) -> None:
+    """H2D of the used prefix of every field (what IOSlot.h2d_pairs lists)."""
+    for name, n in used:
+        if n:
+            buffers.dev[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
+
+
+def copy_out(buffers: SlotBuffers, rows: int) -> None:
+    """D2H of the first `rows` sampled ids (what IOSlot.d2h_pairs lists)."""
+    buffers.out_host[:rows].copy_(buffers.out_dev[:rows], non_blocking=True)
+
+
+def bound_args(buffers: SlotBuffers, prev: SlotBuffers | None, used: tuple, layout: tuple) -> StepArgs:
+    """A step's StepArgs: views of `buffers` at the sizes in `used`, carry-over from `prev`'s output."""
+    sizes = dict(used)
+    dev = buffers.dev
+    n = sizes["input_ids"]
+    views = {name: dev[name][: sizes[name]] for name in TENSOR_FIELDS}
+    views["input_ids"] = dev["patched_ids"][:n]
+    return StepArgs(
+        patched_ids=dev["patched_ids"][:n], input_ids=dev["input_ids"][:n],
+        source=(prev or buffers).out_dev,  # sync loop: no previous slot, and the mask is all -1
+        carry=dev["carry"], out=buffers.out_dev,
+        batch=Batch(**views, **dict(layout)),
+        key=(buffers.index, None if prev is None else prev.index, sizes["kv_indices"], *(v for _, v in layout)),
+    )

@@ -45,7 +45,7 @@ import torch
 from .batch import build_batch
 from .carry_over import apply_carry_over
 from .scheduler import BatchPlan
-from .slots import IOSlot, StepArgs
+from .slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -136,14 +136,23 @@ def launch_step(runner, streams, slot: IOSlot, prev: IOSlot | None, step: int,
     for stream, stage in ((h2d, "H2D"), (compute, "compute"), (d2h, "D2H")):
         if delays.get(stage):
             stream.sleep(delays[stage], lane=stage, **tag)
-    h2d.launch(copy_pairs, slot.h2d_pairs(), name="H2D", lane="H2D", **tag)
+    # the work gets the slot's buffers and the sizes used now (bound at launch); the views are cut
+    # where it runs (slots.SlotBuffers says why)
+    used, layout = slot.used(), tuple(slot.layout.items())
+    h2d.launch(copy_in, slot.buffers, used, name="H2D", lane="H2D", **tag)
     h2d.record(slot.h2d_done)
     compute.wait(slot.h2d_done)  # inputs must have landed
-    compute.launch(runner, slot.bind(prev), name="compute", lane="compute", **tag)
+    compute.launch(run_bound, runner, slot.buffers, prev and prev.buffers, used, layout,
+                   name="compute", lane="compute", **tag)
     compute.record(slot.compute_done)
     d2h.wait(slot.compute_done)  # outputs must exist
-    d2h.launch(copy_pairs, slot.d2h_pairs(slot.sizes["logits_indices"]), name="D2H", lane="D2H", **tag)
+    d2h.launch(copy_out, slot.buffers, slot.sizes["logits_indices"], name="D2H", lane="D2H", **tag)
     d2h.record(slot.d2h_done)
+
+
+def run_bound(runner, buffers, prev, used: tuple, layout: tuple) -> None:
+    """The compute work of launch_step: `runner` on the step's arguments (slots.bound_args)."""
+    runner(bound_args(buffers, prev, used, layout))
 
 
 class StepRunner:
