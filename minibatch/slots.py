@@ -96,14 +96,6 @@ class IOSlot:
         """((field, entries used), ...) of the loaded batch: with `buffers`, what a launch needs."""
         return tuple(self.sizes.items())
 
-    def h2d_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device, host) views of the used prefix of every buffer: what the H2D copy moves."""
-        return [(self.dev[name][:n], self.host[name][:n]) for name, n in self.sizes.items() if n]
-
-    def d2h_pairs(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(host, device) views of the first `rows` sampled ids: what the D2H copy moves."""
-        return [(self.out_host[:rows], self.out_dev[:rows])]
-
     def bind(self, prev: "IOSlot | None") -> "StepArgs":
         """The compute work's arguments, fixed at launch time, as a kernel's arguments are.
 
@@ -145,14 +137,15 @@ class SlotBuffers:
 
 
 def copy_in(buffers: SlotBuffers, used: tuple) -> None:
-    """H2D of the used prefix of every field (what IOSlot.h2d_pairs lists)."""
+    """H2D of the used prefix of every field; non-blocking, so from pinned host memory a GPU copy
+    returns at once."""
     for name, n in used:
         if n:
             buffers.dev[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
 
 
 def copy_out(buffers: SlotBuffers, rows: int) -> None:
-    """D2H of the first `rows` sampled ids (what IOSlot.d2h_pairs lists)."""
+    """D2H of the first `rows` sampled ids."""
     buffers.out_host[:rows].copy_(buffers.out_dev[:rows], non_blocking=True)
 
 

@@ -50,12 +50,6 @@ from .slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each (dst, src) pair; non-blocking, so from pinned host memory a GPU copy returns at once."""
-    for dst, src in pairs:
-        dst.copy_(src, non_blocking=True)
-
-
 class CompiledStep:
     """The decode step (forward + sampling) through torch.compile, one per engine.
 
@@ -231,7 +225,7 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
         slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_cells + model.kv_bucket, rows * width), rows)
                  for i in range(2)]
         slots[0].load(runner.build(prefill), [])
-        copy_pairs(slots[0].h2d_pairs())
+        copy_in(slots[0].buffers, slots[0].used())
         runner(slots[0].bind(None))  # prefill, eager
         sched.update(prefill, [2] * rows)
         decode = sched.schedule()
@@ -239,7 +233,7 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
             runner.pool = None  # torch then gives each capture a pool of its own
         for slot, other in ((slots[0], slots[1]), (slots[1], slots[0])):
             slot.load(runner.build(decode), [])
-            copy_pairs(slot.h2d_pairs())
+            copy_in(slot.buffers, slot.used())
             runner(slot.bind(other))  # eager run + capture
         dev.synchronize()
     return [c["reserved_growth"] for c in runner.captures]

@@ -38,8 +38,8 @@ from minibatch import bench  # noqa: E402
 from minibatch.device import get_device  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
-from minibatch.slots import IOSlot  # noqa: E402
-from minibatch.step import CompiledStep, StepRunner, copy_pairs  # noqa: E402
+from minibatch.slots import IOSlot, copy_in  # noqa: E402
+from minibatch.step import CompiledStep, StepRunner  # noqa: E402
 
 BLOCK = 16
 
@@ -62,7 +62,7 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
     host = runner.build(plan)
     slot = IOSlot(dev, 0, host.input_ids.shape[0], host.kv_indices.shape[0], host.input_ids.shape[0])
     slot.load(host, [])
-    copy_pairs(slot.h2d_pairs())
+    copy_in(slot.buffers, slot.used())
     args = slot.bind(None)
     t = time.perf_counter()
     runner(args)  # eager warm-up (and compilation), capture, one replay
