@@ -47,7 +47,7 @@ from multiprocessing.reduction import sendfds
 import torch
 
 from . import device_process
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
+from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 from .device_names import Names
 from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
 
@@ -363,10 +363,7 @@ class CpuDevice(Device):
             self._check()
             if done():
                 return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise DeviceTimeoutError(f"timed out after {timeout:g} s waiting for {what} (a delay longer "
-                                         "than the timeout, or a wait on an event recorded after it?)")
+            left = time_left(deadline, timeout, what)
             try:
                 ready = self._conn.poll(left)
             except BaseException as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +20,18 @@ class DeviceError(RuntimeError):
 
 class DeviceTimeoutError(DeviceError, TimeoutError):
     """A host wait (synchronize) ran past its timeout."""
+
+
+def time_left(deadline: float | None, timeout: float | None, what: str) -> float | None:
+    """Seconds a host wait may still block before `deadline` (a time.monotonic() value; None: no limit).
+    Raises DeviceTimeoutError once it has passed: the one place the backends' waits time out."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeviceTimeoutError(f"timed out after {timeout:g} s waiting for {what} (a delay longer "
+                                 "than the timeout, or a wait on an event recorded after it?)")
+    return left
 
 
 @contextmanager

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream, deferred_interrupts
+from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
@@ -331,11 +331,7 @@ class ThreadDevice(Device):
             self._check()
             if done():
                 return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise DeviceTimeoutError(f"timed out after {timeout:g} s waiting for {what} (a delay longer "
-                                         "than the timeout, or a wait on an event recorded after it?)")
-            self._cv.wait(left)
+            self._cv.wait(time_left(deadline, timeout, what))
 
 
 
