@@ -199,7 +199,7 @@ def bench_cmd(args) -> None:
                     cuda_graphs=args.cuda_graphs, decode_attention=model.decode_attention,
                     decode_kv_bucket=model.decode_kv_bucket)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-              progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
+              progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False, "decode": "decode"}[args.cuda_graphs])
     if args.arrivals:  # prompt i reaches the server at step i * arrivals / n: prefill steps all along the run
         kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
         workload["arrivals"] = args.arrivals
@@ -283,8 +283,8 @@ def main(argv=None) -> None:
                    help="requests arrive spread over the first STEPS steps instead of all at once")
     b.add_argument("--warmup", action="store_true",
                    help="an untimed run of each mode first (and of each transformers mode, with --hf)")
-    b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="replay decode steps as CUDA graphs (auto: on for CUDA)")
+    b.add_argument("--cuda-graphs", choices=["auto", "on", "off", "decode"], default="auto",
+                   help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--hf", action="store_true", help="also run transformers' generate_batch (default config)")
     b.add_argument("--hf-all", action="store_true", help="with --hf: each of its sync/async x graphs modes")

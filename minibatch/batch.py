@@ -59,6 +59,7 @@ class Batch:
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
+    padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
     # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
     # since it last held them (decode_keys.py); None for other batches and on the device
     key_source: object = field(default=None, repr=False, compare=False)
@@ -81,7 +82,7 @@ class Batch:
 
 
 #: the host-side layout facts that travel with a batch but are not tensors
-LAYOUT_FIELDS = ("decode_rows", "all_greedy")
+LAYOUT_FIELDS = ("decode_rows", "all_greedy", "padded")
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
@@ -191,6 +192,48 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
         key_source=source,
+    )
+
+
+def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[int, ...], rows: int,
+             max_tokens: int, max_keys: int) -> Batch:
+    """A flat (prefill or mixed) batch padded to bucketed sizes, so that its step can be a CUDA graph.
+
+    T tokens go up to a size in `tokens`, K keys up to a size in `keys` (always at least one more than
+    K, see below), and the sampled rows to `rows`; the batch is returned as it is when a padded size
+    would not fit in `max_tokens`, `max_keys` or `rows`. Padding never changes a real token's result:
+
+        padding tokens   id 0 at position 0, chunk -1, K/V written to the scratch cell
+        padding keys     the scratch cell, chunk -1: only padding tokens see them (and at least one
+                         exists, so a padding token's attention row is never empty, which would be NaN)
+        padding rows     sample the last token greedily; the host reads only the real rows
+
+    Why: an eager prefill step of a small model is bound by the host launching ~1500 kernels one by
+    one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
+    replays the step with one launch. Padding costs compute (at most a few percent of tokens with the
+    buckets of step.py) and a capture per new shape.
+    """
+    t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
+    if batch.decode_rows or r > rows or not t:
+        return batch
+    if not tokens or not keys or t > max(tokens) or k + 1 > max(keys):
+        return batch
+    t2, k2 = bucket(t, tokens), bucket(k + 1, keys)
+    if t2 > max_tokens or k2 > max_keys:
+        return batch
+
+    def ext(x: torch.Tensor, n: int, value) -> torch.Tensor:
+        return torch.cat([x, torch.full((n,), value, dtype=x.dtype)]) if n else x
+
+    pt, pk, pr = t2 - t, k2 - k, rows - r
+    return Batch(
+        input_ids=ext(batch.input_ids, pt, 0), positions=ext(batch.positions, pt, 0), q_seq=ext(batch.q_seq, pt, -1),
+        cell_mapping=ext(batch.cell_mapping, pt, scratch),
+        kv_indices=ext(batch.kv_indices, pk, scratch), kv_seq=ext(batch.kv_seq, pk, -1), kv_pos=ext(batch.kv_pos, pk, 0),
+        logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
+        top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
+        counter=ext(batch.counter, pr, 0),
+        all_greedy=bool(r == 0 or batch.all_greedy), padded=True,
     )
 
 

@@ -37,6 +37,7 @@ class Result:
     steps: int
     decode_compute_ms: float = float("nan")  # median compute span of decode-only steps (device clock)
     decode_period_ms: float = float("nan")  # median time from one decode step's compute start to the next
+    other_compute_ms: float = float("nan")  # mean compute span of the other steps (prefill and mixed)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -64,8 +65,9 @@ def run_mode(model: Model | Engine, prompts, mode: str, max_new_tokens: int, **k
     compute = sorted((s.start, s.end) for s in tl.spans if s.name == "compute" and s.step in decode_steps)
     spans = [1e3 * (b - a) for a, b in compute]
     periods = [1e3 * (b[0] - a[0]) for a, b in zip(compute, compute[1:])]
+    other = [1e3 * s.duration for s in tl.spans if s.name == "compute" and 0 <= s.step not in decode_steps]
     return Result(mode, wall, n, n / wall, tl.device_busy(), 1e3 * wall / max(steps, 1), steps,
-                  _median(spans), _median(periods)), tl, outs
+                  _median(spans), _median(periods), sum(other) / len(other) if other else float("nan")), tl, outs
 
 
 def _median(xs: list[float]) -> float:

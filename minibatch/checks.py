@@ -120,7 +120,7 @@ class GenerateArgs(NamedTuple):
     block_size: int
     num_blocks: int
     num_slots: int
-    cuda_graphs: bool
+    cuda_graphs: bool | str
     inject_delays: dict[str, float]
     timeout: float | None  # None: no limit
     max_tokens: int  # the IO slots' capacities (slots.py): tokens, keys and sampled rows of the largest step
@@ -174,9 +174,13 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
     if compile and not cuda:
         raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
                          "eager: compiling would take longer than the tiny model's whole run)")
-    cuda_graphs = cuda if cuda_graphs is None else _bool("cuda_graphs", cuda_graphs)
+    if cuda_graphs is None:
+        cuda_graphs = cuda
+    elif cuda_graphs != "decode":
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {cuda_graphs!r}')
     if cuda_graphs and not cuda:
-        raise ValueError(f"cuda_graphs=True needs a CUDA model; this model is on {model.device}")
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
     num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)
     _bool("allow_races", allow_races)
     if mode == "async" and num_slots == 1 and not allow_races:

@@ -52,7 +52,7 @@ class _Shape(NamedTuple):
     max_keys: int
     rows: int
     num_slots: int
-    cuda_graphs: bool
+    cuda_graphs: bool | str  # True, False or "decode" (decode steps only)
     compiled: bool = False
     decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
 
@@ -104,7 +104,7 @@ class Engine:
     # --- a run, step by step ------------------------------------------------------------------------
     def start(self, requests: list[Request], mode: str = "sync", *, timeline: Timeline | None = None,
               max_batch_tokens: int = 256, max_batch_size: int | None = None, block_size: int = 16,
-              num_blocks: int | None = None, num_slots: int | None = None, cuda_graphs: bool | None = None,
+              num_blocks: int | None = None, num_slots: int | None = None, cuda_graphs: bool | str | None = None,
               compile: bool = False, inject_delays: dict | None = None, timeout: float | None = 600.0,
               on_step: Callable | None = None) -> Run:
         """Set up a run of `requests` (checked already, see `generate`); `step()` then advances it."""
@@ -156,7 +156,7 @@ class Engine:
                  max_batch_size: int | None = None, max_batch_tokens: int = 256, block_size: int = 16,
                  num_blocks: int | None = None, progress: bool = False,
                  arrival_steps: Sequence[int] | None = None, on_step: Callable | None = None,
-                 cuda_graphs: bool | None = None, compile: bool = False, num_slots: int | None = None,
+                 cuda_graphs: bool | str | None = None, compile: bool = False, num_slots: int | None = None,
                  allow_races: bool = False, inject_delays: dict[str, float] | None = None,
                  timeout: float | None = 600.0) -> list[list[int]]:
         """Continue every prompt; return the new tokens of each, in prompt order.
@@ -171,7 +171,8 @@ class Engine:
         `timeout` bounds every host wait on the device (seconds; None or inf: no limit): a device that
         stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
         which prompt i reaches the server, to simulate requests arriving while the loop runs.
-        `cuda_graphs` (default: on for a CUDA model) replays decode steps as CUDA graphs (step.py).
+        `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (step.py); "decode" keeps
+        prefill and mixed steps eager and unpadded, as they were before they could be graphs.
         `compile=True` (CUDA only) runs decode steps through torch.compile first (step.CompiledStep).
         `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
         seconds slept on that stream before each step's work) exist to show the race of notebook 04: one
@@ -233,7 +234,9 @@ class Engine:
             compiled = self._compiled
         cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
         slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]
-        self.kept[shape] = Resources(cache, slots, StepRunner(model, cache, shape.cuda_graphs, compiled))
+        self.kept[shape] = Resources(cache, slots, StepRunner(model, cache, bool(shape.cuda_graphs), compiled,
+                                                                  None if shape.cuda_graphs == "decode" else
+                                                                  (shape.max_tokens, shape.max_keys, shape.rows)))
         return self.kept[shape]
 
     def _abandon(self) -> None:

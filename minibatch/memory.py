@@ -19,7 +19,7 @@ import os
 import torch
 
 from .batch import TENSOR_FIELDS, bucket
-from .step import ROW_BUCKETS
+from .step import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
 from .slots import EXTENT
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
@@ -37,7 +37,11 @@ def run_sizes(model, prompts, max_new_tokens, max_batch_size, max_batch_tokens, 
     rows = bucket(max_batch_size, ROW_BUCKETS)
     longest = max(len(p) + max_new_tokens for p in prompts)
     width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
-    return num_blocks, max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width), rows
+    tokens, keys = max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width)
+    if model.device.type == "cuda":  # room for prefill steps padded to bucketed sizes (batch.pad_flat)
+        tokens = max(tokens, bucket(max_batch_tokens, TOKEN_BUCKETS))
+        keys = max(keys, bucket(keys + 1, KEY_BUCKETS))
+    return num_blocks, tokens, keys, rows
 
 
 def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows: int, block_size: int,

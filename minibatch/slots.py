@@ -119,7 +119,7 @@ class StepArgs:
     carry: torch.Tensor
     out: torch.Tensor
     batch: Batch
-    key: tuple  # (slot, previous slot, keys, decode rows, all greedy): one CUDA graph per key
+    key: tuple  # (slot, previous slot, tokens, keys, sampled rows, layout): one CUDA graph per key
 
 
 class SlotBuffers:
@@ -161,5 +161,6 @@ def bound_args(buffers: SlotBuffers, prev: SlotBuffers | None, used: tuple, layo
         source=(prev or buffers).out_dev,  # sync loop: no previous slot, and the mask is all -1
         carry=dev["carry"], out=buffers.out_dev,
         batch=Batch(**views, **dict(layout)),
-        key=(buffers.index, None if prev is None else prev.index, sizes["kv_indices"], *(v for _, v in layout)),
+        key=(buffers.index, None if prev is None else prev.index, n, sizes["kv_indices"], sizes["logits_indices"],
+             *(v for _, v in layout)),
     )

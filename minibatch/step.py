@@ -24,7 +24,9 @@ A graph replays fixed kernels on fixed addresses with fixed shapes. Hence:
     to one slot: two slots, two graphs per shape;
   * shapes come from buckets: decode steps are padded to a row count from ROW_BUCKETS and a key
     length that is a multiple of the model's decode_kv_bucket (kv_bucket for compiled steps, which
-    compile once per shape; batch.py, decode layout); mixed prefill/decode steps stay eager;
+    compile once per shape; batch.py, decode layout); prefill and mixed steps are padded to a token
+    count from TOKEN_BUCKETS, a key count from KEY_BUCKETS and the slot's rows (batch.pad_flat), and
+    the few that do not fit those (more keys than KEY_BUCKETS holds) stay eager;
   * the carry-over ops (carry_over.py) run inside the graph, before the forward pass.
 All graphs share one memory pool: they never run at the same time (one compute stream), so the
 memory one graph uses for its intermediate tensors can be reused by the next. Two slots' graphs
@@ -42,12 +44,20 @@ import sys
 
 import torch
 
-from .batch import build_batch
+from .batch import build_batch, pad_flat
 from .carry_over import apply_carry_over
 from .scheduler import BatchPlan
 from .slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Prefill and mixed steps (batch.pad_flat). Tokens: a step is usually exactly the token budget (prefill
+# chunks are cut to fill it), so the buckets only need to be fine enough that the other steps waste
+# little: at most 1/8 of the tokens above 256 (a large model's prefill is compute-bound: padding costs
+# what it adds). Keys: the flat layout's attention costs tokens x keys, so half-octave buckets
+# (at most 1.5x the keys); above KEY_BUCKETS' largest a step stays eager (its [T, K] mask alone would
+# be hundreds of MB, and such steps are long enough to keep the GPU busy without a graph).
+TOKEN_BUCKETS = (*range(32, 257, 32), *range(320, 1025, 64), *range(1152, 4097, 128), *range(4352, 8193, 256))
+KEY_BUCKETS = tuple(sorted(b << i for b in (256, 384) for i in range(8)))  # 256 ... 49152
 
 
 class CompiledStep:
@@ -152,13 +162,17 @@ def run_bound(runner, buffers, prev, used: tuple, layout: tuple) -> None:
 class StepRunner:
     """Builds a step's host batch and runs its device work: eagerly, or through CUDA graphs."""
 
-    def __init__(self, model, cache, use_graphs: bool = False, compiled: CompiledStep | None = None) -> None:
+    def __init__(self, model, cache, use_graphs: bool = False, compiled: CompiledStep | None = None,
+                 capacity: tuple[int, int, int] | None = None) -> None:
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this model is on " + str(model.device))
         if compiled is not None and model.device.type != "cuda":
             raise ValueError("compile=True is for CUDA models (decode steps through torch.compile); this model "
                              "is on " + str(model.device))
         self.model, self.cache, self.use_graphs, self.compiled = model, cache, use_graphs, compiled
+        # (tokens, keys, rows) an IO slot holds: with it, prefill and mixed steps on a GPU are padded to
+        # bucketed sizes (batch.pad_flat), so that they can be graphs too
+        self.capacity = capacity
         # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
         self.decode_layout = model.decode_layout
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -171,11 +185,15 @@ class StepRunner:
         # steps compiled for a fixed number of keys compile once per shape: coarser key buckets
         coarse = self.compiled is not None and not self.compiled.dynamic_keys
         decode_bucket = self.model.kv_bucket if coarse else self.model.decode_kv_bucket
-        return build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
+        batch = build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
+        if rows and self.capacity is not None and not batch.decode_rows:  # as rows: with or without graphs
+            tokens, keys, max_rows = self.capacity
+            batch = pad_flat(batch, self.cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, max_rows, tokens, keys)
+        return batch
 
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""
-        if not (self.use_graphs and args.batch.decode_rows):
+        if not (self.use_graphs and (args.batch.decode_rows or args.batch.padded)):
             forward_step(self.model, self.cache, args, self.compiled)
             return
         graph = self.graphs.get(args.key)

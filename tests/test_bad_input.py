@@ -94,7 +94,7 @@ GENERATE_CASES = [
     (dict(arrival_steps=[-1, 0]), ValueError, r"arrival_steps\[0\] must be an integer >= 0"),
     (dict(on_step=5), TypeError, "on_step must be a function"),
     (dict(progress="no"), TypeError, "progress must be True or False"),
-    (dict(cuda_graphs="on"), TypeError, "cuda_graphs must be True or False"),
+    (dict(cuda_graphs="on"), TypeError, "cuda_graphs must be True, False, \"decode\" or None"),
     (dict(compile=1), TypeError, "compile must be True or False"),
     (dict(mode=None), ValueError, "unknown mode"),
     (dict(eos_token_id=1.5), TypeError, "eos_token_id must be an int"),

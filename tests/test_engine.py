@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import minibatch
 from minibatch.attention import ATTN_NAME, PagedMeta
-from minibatch.batch import build_batch
+from minibatch.batch import build_batch, pad_flat
 from minibatch.requests import Request, SamplingParams
 from minibatch.scheduler import Scheduler
 from minibatch.step import ROW_BUCKETS
@@ -88,6 +88,27 @@ def test_device_work_reads_no_tensor_value_and_builds_no_mask(random_llama, monk
         seen = host_reads(lambda: random_llama.hf(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
                                                   use_cache=False, minibatch=PagedMeta(cache, batch)), monkeypatch)
     assert seen[0] > 0 and seen[1] > 0
+
+
+@pytest.mark.parametrize("name", ["random-llama", "random-mistral"])
+def test_padding_a_flat_batch_changes_no_real_row(name):
+    """Prefill and mixed steps on a GPU are padded to bucketed sizes (batch.pad_flat) so that they can be
+    CUDA graphs: padding tokens, keys and rows must leave every real row's logits as they were."""
+    model = minibatch.load_model(name, device="cpu")
+    cache, mixed, _ = plans(model)
+    plain = build_batch(mixed, cache)
+    padded = pad_flat(plain, cache.scratch_cell, (16,), (32,), 8, 16, 32)
+    assert padded.padded and padded.num_tokens == 16 and padded.kv_indices.shape[0] == 32 and padded.num_sampled == 8
+    r = plain.num_sampled
+    assert padded.logits_indices[:r].tolist() == plain.logits_indices.tolist()
+    assert (padded.q_seq[plain.num_tokens:] == -1).all() and (padded.kv_seq[plain.kv_indices.shape[0]:] == -1).all()
+    want, got = model.logits(plain, cache), model.logits(padded, cache)
+    assert torch.isfinite(got).all()  # padding tokens see at least one key: no NaN anywhere
+    torch.testing.assert_close(got[:r], want, rtol=1e-5, atol=1e-5)
+    assert model.step(padded, cache)[:r].tolist() == model.step(plain, cache).tolist()
+    # sizes that do not fit the slot leave the batch as it was (that step runs eagerly)
+    assert pad_flat(plain, cache.scratch_cell, (16,), (32,), 8, 8, 32) is plain
+    assert pad_flat(plain, cache.scratch_cell, (4,), (32,), 8, 16, 32) is plain
 
 
 def test_step_by_step_equals_generate(random_llama):

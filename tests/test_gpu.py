@@ -5,7 +5,7 @@ import torch
 
 import minibatch
 from minibatch.requests import Request
-from minibatch.step import pool_memory
+from minibatch.step import KEY_BUCKETS, TOKEN_BUCKETS, pool_memory
 from minibatch.timeline import Timeline
 
 pytestmark = pytest.mark.cuda
@@ -26,6 +26,23 @@ def test_graphs_same_tokens_as_eager_float32():
     sampled = dict(temperature=0.8, top_p=0.9, seed=4, **kw)
     assert (minibatch.generate(model, work, mode="async", **sampled)
             == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
+
+
+def test_prefill_and_mixed_steps_are_graphs_too():
+    """Prefill and mixed steps are padded to bucketed sizes and replayed as graphs (batch.pad_flat):
+    the same tokens as eager steps in float32, as decode-only graphs ("decode"), and as sync."""
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(12, model.vocab_size, seed=3)
+    kw = dict(max_new_tokens=12, max_batch_size=8, max_batch_tokens=48, arrival_steps=[2 * i for i in range(12)])
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    assert minibatch.generate(model, work, cuda_graphs="decode", **kw) == eager
+    with minibatch.Engine(model) as engine:
+        for mode in ("sync", "async"):
+            assert engine.generate(work, mode=mode, cuda_graphs=True, **kw) == eager
+        keys = [c["key"] for res in engine.kept.values() for c in res.runner.captures]
+    prefill = [k for k in keys if k[-1]]  # the layout's last field: padded
+    assert prefill and len(prefill) < len(keys)  # graphs of both kinds
+    assert all(k[2] in TOKEN_BUCKETS and k[3] in KEY_BUCKETS for k in prefill)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
