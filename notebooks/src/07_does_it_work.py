@@ -246,44 +246,58 @@ for m in matrix:
 # ## 4. Where asynchrony helps most
 #
 # The async loop hides the host's work behind the device's. It helps most when the host's share of a
-# step is large: small models (short steps) and large batches (more host work per step). The sweep
-# ran three model shapes at five batch sizes, 256-token prompts, 96 new tokens
-# (`scripts/sweep.py`, recorded in `gpu_sweep.json`):
+# step is large: small models (short steps) and small batches with short contexts. The sweep ran three
+# model shapes x batch 1, 8, 32, 128 x mean context 512 and 2048, 64 new tokens, each point after a
+# warm-up run of the same workload (`scripts/sweep.py`, H200, 2026-12-01, recorded in
+# `gpu_sweep_2026-12-01.json`):
 
 # %%
-sweep = json.load(open(DATA + "gpu_sweep.json"))
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
-for name in dict.fromkeys(r["model"] for r in sweep):
-    mine = [r for r in sweep if r["model"] == name]
+sweep = json.load(open(DATA + "gpu_sweep_2026-12-01.json"))
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
+colors = {}
+for (name, ctx) in dict.fromkeys((r["model"], r["context"]) for r in sweep):
+    mine = [r for r in sweep if r["model"] == name and r["context"] == ctx]
     x = [r["batch"] for r in mine]
-    ax1.plot(x, [r["wall_ratio"] for r in mine], "o-", label=name)
-    line, = ax2.plot(x, [r["async"]["device_busy"] for r in mine], "o-")
-    ax2.plot(x, [r["sync"]["device_busy"] for r in mine], "o--", color=line.get_color())
+    style = dict(ls="-" if ctx == 512 else "--", marker="o", color=colors.get(name))
+    line, = ax1.plot(x, [r["wall_ratio"] for r in mine], label=f"{name}, ctx {ctx}", **style)
+    colors[name] = style["color"] = line.get_color()
+    ax2.plot(x, [100 * r["async"]["device_busy"] for r in mine], **style)
+    ax3.plot(x, [r["step_over_floor"] for r in mine], **style)
 ax1.axhline(1.0, color="gray", lw=0.8)
-ax1.axhline(0.78, color="gray", lw=0.8, ls=":")
-ax1.set(xscale="log", xlabel="batch size", ylabel="wall time, async / sync", title="lower is better", ylim=(0.5, 1.05))
-ax2.set(xscale="log", xlabel="batch size", ylabel="device busy", title="device busy (dashed: sync)", ylim=(0.5, 1.02))
-for ax in (ax1, ax2):
-    ax.set_xticks([1, 4, 16, 32, 64], ["1", "4", "16", "32", "64"])
-ax1.legend(fontsize=8, title="model shape (colours: both panels)", title_fontsize=8)
-ax2.legend(handles=[plt.Line2D([], [], color="black", ls="-", marker="o", label="async"),
-                    plt.Line2D([], [], color="black", ls="--", marker="o", label="sync")], fontsize=8)
+ax1.set(xscale="log", xlabel="batch size", ylabel="wall time, async / sync", title="lower is better", ylim=(0.6, 1.05))
+ax2.axhline(99, color="gray", lw=0.8, ls=":")
+ax2.set(xscale="log", xlabel="batch size", ylabel="device busy, async (%)", title="is the device kept busy?",
+        ylim=(97, 100.2))
+ax3.axhline(1.0, color="gray", lw=0.8)
+ax3.set(xscale="log", xlabel="batch size", ylabel="decode step / full floor", title="decode step against the floor",
+        yscale="log")
+for ax in (ax1, ax2, ax3):
+    ax.set_xticks([1, 8, 32, 128], ["1", "8", "32", "128"])
+ax1.legend(fontsize=7, title="solid: ctx 512, dashed: 2048", title_fontsize=7)
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
-    print(f"{r['model']:17} batch {r['batch']:3}: ratio {r['wall_ratio']:.2f}, busy "
-          f"{r['sync']['device_busy']:.0%} -> {r['async']['device_busy']:.0%}")
+    print(f"{r['model']:17} batch {r['batch']:3} ctx {r['context']:4}: ratio {r['wall_ratio']:.2f}, busy "
+          f"{r['sync']['device_busy']:.1%} -> {r['async']['device_busy']:.1%}, step/floor {r['step_over_floor']:.2f}")
 
 # %% [markdown]
-# The 1B shape gains most (ratio down to 0.61 at batch 64): its steps are the shortest (16 layers),
-# so the host's ~2.5 ms per step is a large share. Size in parameters is not what counts: the 0.6B
-# shape has 28 layers, so more kernels and longer steps than the 1B one at small batches (157 against
-# 239 tok/s at batch 1), and gains less. The 8B shape at batch 1 and 4 gains least (0.84-0.85): its
-# step is long and the host's share small. The two small shapes are a warning: at batch 16 and more, even the
-# async loop leaves the device idle 3-11% of the time: their steps are so short that the host's work
-# for the next step takes about as long as the device's work for this one, and overlap cannot hide
-# more than the device's step.
-# That is the regime where production engines move scheduling work off the Python host.
+# Three things to read in it.
+#
+# * **The gain shrinks as steps grow.** The 1B shape gains most (0.73-0.76 at batch 1-32 with context
+#   512, 0.70 at batch 1 with 2048): its steps are the shortest (16 layers, ~2.5 ms), so the host's work is a large share of
+#   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
+#   most of the run, and the ratio goes towards 1.
+# * **The async loop keeps the device busy at every point: 99.2-100%.** It did not always: before
+#   prefill steps could be CUDA graphs (`step.py`, `batch.pad_flat`), the small shapes dropped to
+#   97.8-98.8%, because an eager prefill step of a small model is bound by the host launching its
+#   kernels. The device then never ran far ahead of the host, and waited while the host prepared the
+#   next step. Padded to bucketed sizes and replayed, prefill steps are queued like decode steps.
+# * **Size in parameters is not what sets a small model's step.** The 0.6B shape's decode step is
+#   4-7 ms, far above its floor of 0.3-2 ms, and longer than the 1B shape's: 28 layers make ~1400
+#   small kernels per step, and their own latency, not the bytes they read, sets the time. The
+#   points below 1 are not faster than the floor: at 128 x 2048, prefill takes more steps than
+#   decoding, the first requests finish before the last start, and decode-only steps run with fewer
+#   rows than 128 (section 3 measures fixed-batch steps).
 #
 # ## 5. Can we trust our busy fraction?
 #
@@ -438,9 +452,11 @@ exercises.check_07(globals().get("async_over_sync"))
 #
 #     device busy <= device / max(host, device)
 #
-# This is the case the recorded sweep shows for the small shapes: a 1B-shaped decode step is a few
-# milliseconds on the H200, and at large batches the host's work per step came close to it, so the
-# async loop's busy fraction stayed below 99% there. The host's share grows with the batch: every
+# The recorded sweep (section 4) came close to this case twice. Decode steps of the small shapes
+# last a few milliseconds, and the host's work per step grows with the batch. And an eager prefill step
+# of a small model is as long as the host's launching of its kernels, so the host's next prepare was
+# device idle time at every prefill step: the busy fraction stayed below 99% at six points until
+# prefill steps, too, became CUDA graphs. The host's share grows with the batch: every
 # running request is planned, its inputs and keys laid out, its token handed back, every step. Here
 # is that work alone, without a model (the scheduler, `build_batch` and `update` for decoding
 # requests with 256 tokens of context), for growing batches:
