@@ -253,7 +253,7 @@ for m in matrix:
 
 # %%
 sweep = json.load(open(DATA + "gpu_sweep_2026-12-01.json"))
-fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.6))
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4.4))
 colors = {}
 for (name, ctx) in dict.fromkeys((r["model"], r["context"]) for r in sweep):
     mine = [r for r in sweep if r["model"] == name and r["context"] == ctx]
@@ -273,8 +273,9 @@ ax3.set(xscale="log", xlabel="batch size", ylabel="decode step / full floor", ti
         yscale="log")
 for ax in (ax1, ax2, ax3):
     ax.set_xticks([1, 8, 32, 128], ["1", "8", "32", "128"])
-ax1.legend(fontsize=7, title="solid: ctx 512, dashed: 2048", title_fontsize=7)
-fig.tight_layout()
+fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, title_fontsize=8,
+           title="solid: context 512, dashed: context 2048")
+fig.tight_layout(rect=(0, 0.2, 1, 1))
 fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
     print(f"{r['model']:17} batch {r['batch']:3} ctx {r['context']:4}: ratio {r['wall_ratio']:.2f}, busy "
