@@ -12,17 +12,19 @@
 #   compile    sync and async with torch.compile'd decode steps, beside transformers' generate_batch modes
 #   floor      the decode step at fixed batch x context against its full floor, default and compiled
 #              (floor_matrix.py)
+#   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (prefill_graphs_ab.py)
 #   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
 #              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
 #   host       the host's work per decode step on this machine's CPU (scripts/host_cost.py)
-# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 35 minutes for everything.
+# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 40 minutes for everything
+# (the sweep alone ~10: split it with sweep.py's --models where a run has a time limit).
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile floor kernels triton profile sweep host}
+sections=${*:-tests headline eager arrivals compile floor prefill kernels triton profile sweep host}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -45,6 +47,8 @@ for s in $sections; do
                --hf --hf-all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
     floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile > "$out/$s/floor.log" 2>&1
            tail -12 "$out/$s/floor.log" ;;
+    prefill) python3 scripts/gpu/prefill_graphs_ab.py "$out/$s" > "$out/$s/prefill.log" 2>&1
+             tail -20 "$out/$s/prefill.log" ;;
     kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
              tail -20 "$out/$s/attention_ab.log"
              python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
