@@ -98,6 +98,15 @@ def input_token(r: Request, pos: int) -> int:
     return r.prompt[pos] if pos < len(r.prompt) else r.output[pos - len(r.prompt)]  # no list copies
 
 
+def _one_token(r: Request, pos: int) -> int:
+    """input_token for one position, inlined (it runs once per decoding request per step)."""
+    prompt = r.prompt
+    if pos < len(prompt):
+        return prompt[pos]
+    k, out = pos - len(prompt), r.output
+    return out[k] if k < len(out) else 0
+
+
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
     """The smallest size in `sizes` that holds n (n itself if none does)."""
     return next((b for b in sorted(sizes) if b >= n), n)
@@ -123,33 +132,36 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     chunks = plan.chunks
     n = len(chunks)
     bs = cache.block_size
-    # one pass over the chunks; everything else is numpy over whole arrays
-    ids: list[int] = []
-    tables, starts, ends, sample, sampled = [], [], [], [], []
-    for c in chunks:
-        r, start, end = c.request, c.start, c.end
-        kept = r.cell_table
-        fresh = kept is not None and kept[0] is r.blocks and kept[1] == bs and len(kept[2]) == len(r.blocks) * bs
-        table = kept[2] if fresh else _cell_table(r, bs)
-        if end > len(table):
-            raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
-        tables.append(table), starts.append(start), ends.append(end), sample.append(c.sample)
-        prompt = r.prompt
-        if end <= len(prompt):  # (part of) the prompt: all known
-            ids.extend(prompt[start:end])
-        elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
-            k, out = start - len(prompt), r.output
-            ids.append(out[k] if k < len(out) else 0)
-        else:
-            ids.extend(input_token(r, p) for p in range(start, end))
-        if c.sample:
-            sampled.append(r)
-    starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
-    counts = ends - starts
+    if decode_layout and n and all(c.end - c.start == 1 and c.sample for c in chunks):
+        # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
+        starts_l = [c.start for c in chunks]
+        sampled = [c.request for c in chunks]
+        tables = [_table(r, bs, s + 1) for r, s in zip(sampled, starts_l)]
+        ids = [_one_token(r, s) for r, s in zip(sampled, starts_l)]
+        starts = np.array(starts_l, np.int64)
+        ends, counts, sample = starts + 1, np.ones(n, np.int64), np.ones(n, bool)
+        decode = True
+    else:
+        # one pass over the chunks; everything else is numpy over whole arrays
+        ids: list[int] = []
+        tables, starts, ends, sample, sampled = [], [], [], [], []
+        for r, start, end, samples in chunks:
+            tables.append(_table(r, bs, end)), starts.append(start), ends.append(end), sample.append(samples)
+            prompt = r.prompt
+            if end <= len(prompt):  # (part of) the prompt: all known
+                ids.extend(prompt[start:end])
+            elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
+                ids.append(_one_token(r, start))
+            else:
+                ids.extend(input_token(r, p) for p in range(start, end))
+            if samples:
+                sampled.append(r)
+        starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
+        counts = ends - starts
+        decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
     temp = [r.sampling.temperature for r in sampled]
     samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
             [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
-    decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
     rows = bucket(n, row_buckets) if decode else n
     pad = rows - n  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
     if pad:
@@ -165,14 +177,13 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     first = np.cumsum(counts) - counts  # index of each chunk's first token
     q_seq = np.repeat(np.arange(rows), counts)
     positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
-    if decode:
-        cell_mapping = np.fromiter((t[s] for t, s in zip(tables, starts.tolist())), np.int64, rows)
-    else:
-        cell_mapping = np.concatenate([t[s:e] for t, s, e in zip(tables, starts.tolist(), ends.tolist())] or [_EMPTY])
     source = None
     if decode:
         (kv_indices, kv_seq, kv_pos), source = decode_keys(cache, ends, tables, decode_bucket or kv_bucket)
+        # a row's new token is the last key it reads: its cell is in the key table already
+        cell_mapping = kv_indices.reshape(rows, -1)[np.arange(rows), starts]
     else:
+        cell_mapping = np.concatenate([t[s:e] for t, s, e in zip(tables, starts.tolist(), ends.tolist())] or [_EMPTY])
         kv_indices, kv_seq, kv_pos = _flat_keys(ends, tables, cache.scratch_cell, kv_bucket)
     t = torch.from_numpy
     return Batch(
@@ -244,6 +255,18 @@ _EMPTY = np.zeros(0, np.int64)
 def _scratch_table(scratch: int) -> np.ndarray:
     """The cell table of a padding row: its one token lives in the scratch cell."""
     return np.full(1, scratch, np.int64)
+
+
+def _table(r: Request, block_size: int, end: int) -> np.ndarray:
+    """r's cell table (kept on the request: _cell_table), checked to cover its tokens up to `end`."""
+    kept = r.cell_table
+    if kept is not None and kept[0] is r.blocks and kept[1] == block_size and len(kept[2]) == len(r.blocks) * block_size:
+        table = kept[2]
+    else:
+        table = _cell_table(r, block_size)
+    if end > len(table):
+        raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
+    return table
 
 
 def _cell_table(r: Request, block_size: int) -> np.ndarray:

@@ -115,14 +115,17 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         # 1. decoding requests first: one token each, so ongoing generations never stall
-        decoding = RequestState.DECODING
-        for r in self.running:
+        decoding, prefilling = RequestState.DECODING, RequestState.PREFILLING
+        for r in self.running:  # (its bookkeeping done here: this loop runs for every decoding request)
             if budget > 0 and r.state is decoding and r.num_sampled < r.max_new_tokens:
-                chunks.append(ScheduledChunk(r, r.num_computed, r.num_computed + 1, True))
+                n = r.num_computed
+                chunks.append(ScheduledChunk(r, n, n + 1, True))
+                r.num_computed, r.num_sampled = n + 1, r.num_sampled + 1
                 budget -= 1
+        decode_chunks = len(chunks)
         # 2. requests in the middle of their prompt
         for r in self.running:
-            if r.state == RequestState.PREFILLING and budget > 0:
+            if r.state is prefilling and budget > 0:
                 chunks.append(self._prefill_chunk(r, budget))
                 budget -= chunks[-1].num_tokens
         # 3. admit newcomers while there is budget, a free seat and enough KV blocks
@@ -137,11 +140,11 @@ class Scheduler:
             self.running.append(r)
             chunks.append(self._prefill_chunk(r, budget))
             budget -= chunks[-1].num_tokens
-        for c in chunks:
+        for c in chunks[decode_chunks:]:  # prefill chunks: advance, and the last one of a prompt samples
             c.request.num_computed = c.end
             if c.sample:
                 c.request.num_sampled += 1
-                c.request.state = RequestState.DECODING
+                c.request.state = decoding
         plan = BatchPlan(self.step, chunks)
         self.step += 1
         return plan
@@ -171,12 +174,13 @@ class Scheduler:
         if len(sampled) != len(sampling):
             raise RuntimeError(f"step {plan.step}: {len(sampling)} tokens expected, {len(sampled)} came back")
         done = []
+        finished = RequestState.FINISHED
         for chunk, token in zip(sampling, sampled):
             r = chunk.request
-            if r.state == RequestState.FINISHED:
+            if r.state is finished:
                 continue  # async only: it hit EOS one step earlier; this token is past its end
             r.append_token(int(token))
-            if r.state == RequestState.FINISHED:
+            if r.state is finished:
                 done.append(r)
         for r in done:
             if r in self.retiring:

@@ -67,6 +67,7 @@ class IOSlot:
         self.out_host = dev.pin(torch.zeros(max_rows, dtype=torch.int64))
         self.out_dev = device_buffer(max_rows, torch.int64)
         self.buffers = SlotBuffers(index, self.host, self.dev, self.out_host, self.out_dev)
+        self._np = {name: t.numpy() for name, t in self.host.items()}  # the same host memory, for load
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
         self.sizes: dict[str, int] = {}
         self.keys_held = None  # the decode_keys.KeySource whose keys the host buffers hold, if any
@@ -83,12 +84,12 @@ class IOSlot:
                 cap = EXTENT.get(name, "R")
                 raise ValueError(f"batch field {name} needs {t.shape[0]} entries, slot capacity {cap}={buf.shape[0]}")
             if source is None or name not in KEY_FIELDS:
-                buf[: t.shape[0]].copy_(t)
+                self._np[name][: t.shape[0]] = t.numpy()  # (numpy: a few µs less per field than Tensor.copy_)
             self.sizes[name] = t.shape[0]
         self.keys_held = source.load_into(self.host, held, batch) if source is not None else None
         # the whole mask travels, -1 past the previous batch's rows: fixed size, as a CUDA graph needs
-        self.host["carry"].fill_(-1)
-        self.host["carry"][: len(carry)] = torch.tensor(carry, dtype=torch.int64)
+        self._np["carry"].fill(-1)
+        self._np["carry"][: len(carry)] = carry
         self.sizes["carry"] = self.host["carry"].shape[0]
         self.layout = batch.layout()
 
