@@ -261,18 +261,21 @@ class Engine:
             self.kept.pop(run.shape, None)
 
     def _reset_device(self) -> None:
-        dev, self.dev = self.dev, None
-        self.kept.clear()
-        if dev is not None:
-            dev.close()
+        # an interrupt between letting go of the device and closing it would leave it open for good
+        # (its workers keep it alive): the two happen together or not at all
+        with deferred_interrupts():
+            dev, self.dev = self.dev, None
+            self.kept.clear()
+            if dev is not None:
+                dev.close()
 
     def close(self) -> None:
         """Wait for the device, free the kept resources, close the device."""
-        if self.dev is not None:
-            try:
+        try:
+            if self.dev is not None:
                 self.dev.synchronize(600.0)
-            finally:
-                self._reset_device()
+        finally:
+            self._reset_device()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 

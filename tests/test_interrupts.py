@@ -107,6 +107,26 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
         assert minibatch.generate(random_llama, work, mode=m, **KW) == ref[m]
 
 
+def test_an_interrupt_while_the_engine_lets_go_of_its_device_still_closes_it(random_llama, work, backend):
+    """The window the random interrupts found: Ctrl-C after the engine dropped its device, before the
+    device was closed. Its workers keep an unclosed device alive, so it stayed open for good."""
+    eng = minibatch.Engine(random_llama)
+    eng.generate(work, **KW)
+    dev = eng.dev
+
+    class Kept(dict):
+        def clear(self):  # runs between letting go of the device and closing it
+            _thread.interrupt_main()
+            time.sleep(0.05)  # the interrupt lands here, unless it is held back
+            super().clear()
+
+    eng.kept = Kept(eng.kept)
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    assert eng.dev is None and dev._closed
+    assert leftovers()["threads"] == 0 and leftovers()["processes"] == 0
+
+
 def test_many_runs_leave_nothing_behind(random_llama):
     before = leftovers()
     for _ in range(200):
