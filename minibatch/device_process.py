@@ -188,7 +188,7 @@ class DeviceSide:
                     first = self.dev._error is None
                     if first:
                         self.dev._error = (f"device work could not be unpacked: {type(exc).__name__}: {exc}", exc)
-                    self.dev._cv.notify_all()
+                    self.dev._wake(everyone=True)
                 if first:
                     self.failed(self.dev._error[0], exc)
                 continue

@@ -118,6 +118,10 @@ class ThreadStream(Stream):
         self._queue: deque[_Work] = deque()
         self._enqueued = 0
         self._completed = 0
+        # this stream's worker waits here (under the device's lock): woken by work for it, and by work
+        # done elsewhere only while it has work waiting (dev._wake), not by every change on the device
+        self._cv = threading.Condition(dev._lock)
+        dev._workers.append(self)  # before its thread starts: close() must reach every worker there is
         self._thread = threading.Thread(target=self._worker, name=f"minibatch-{name}", daemon=True)
         self._thread.start()
 
@@ -195,7 +199,7 @@ class ThreadStream(Stream):
                     work.deps.append(lambda: d._completed >= n)
             self._queue.append(work)
             self._enqueued += 1
-            dev._cv.notify_all()
+            self._cv.notify()
 
     # --- device side: the worker -------------------------------------------------------------------
     def _worker(self) -> None:
@@ -207,13 +211,13 @@ class ThreadStream(Stream):
             with dev._lock:
                 while not dev._closed and dev._error is None and not (
                         self._queue and all(dep() for dep in self._queue[0].deps)):
-                    dev._cv.wait()
+                    self._cv.wait()
                 if dev._closed:
                     return
                 if dev._error is not None:  # the device failed: drop our work, nothing will run again
                     self._completed += len(self._queue)
                     self._queue.clear()
-                    dev._cv.notify_all()
+                    dev._wake(everyone=True)
                     continue
                 work = self._queue[0]
             try:
@@ -225,7 +229,7 @@ class ThreadStream(Stream):
                     if first:
                         dev._error = (f"device work {work.what!r} on stream {self.name!r} failed: "
                                       f"{type(exc).__name__}: {exc}", exc)
-                    dev._cv.notify_all()
+                    dev._wake(everyone=True)
                 if first and dev._on_error is not None:
                     dev._on_error(dev._error[0], exc)
                 continue
@@ -235,7 +239,7 @@ class ThreadStream(Stream):
                 if work.reaches is not None:
                     ev, seq = work.reaches
                     ev._reached = max(ev._reached, seq)
-                dev._cv.notify_all()
+                dev._wake()
             if work.reaches is not None and dev._on_reached is not None:
                 dev._on_reached(*work.reaches)
 
@@ -259,6 +263,7 @@ class ThreadDevice(Device):
         self._closed = False
         self._error: tuple[str, BaseException] | None = None  # (message, the exception raised in the worker)
         self._streams: dict[str, ThreadStream] = {}
+        self._workers: list[ThreadStream] = []  # every stream whose worker was started, named or not
         if torch_threads is None:  # leave one core to the host thread
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
             torch_threads = max(1, cores - 1)
@@ -302,7 +307,7 @@ class ThreadDevice(Device):
                 return
             self._closed = True
             self._stop.set()  # cut injected delays short
-            self._cv.notify_all()
+            self._wake(everyone=True)
             # before waiting for the workers: a second interrupt during the wait leaves no setting changed
             if self._settings_held:
                 self._settings_held = False
@@ -313,7 +318,17 @@ class ThreadDevice(Device):
             if s._thread is not threading.current_thread():
                 s._thread.join(timeout=join_timeout)  # a running fn cannot be interrupted
 
-    # --- helpers, called with self._cv held ---------------------------------------------------------
+    # --- helpers, called with self._lock held -------------------------------------------------------
+    def _wake(self, everyone: bool = False) -> None:
+        """After work completed (or the device failed or closed): wake the host's waits, and the
+        workers whose next work may now start. A worker with nothing queued is woken by its next
+        launch instead, so a step's bookkeeping does not wake every stream of the device: on the cpu
+        device each wake-up takes the device process's core and GIL from the forward pass."""
+        self._cv.notify_all()
+        for s in self._workers:
+            if everyone or s._queue:
+                s._cv.notify()
+
     def _check(self) -> None:
         if self._error is not None:  # a fresh exception each time, so tracebacks do not pile up
             raise DeviceError(self._error[0]) from self._error[1]
