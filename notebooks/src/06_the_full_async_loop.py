@@ -361,26 +361,34 @@ with minibatch.Engine(model) as engine:
               f"{min(ratios):>8.2f}-{max(ratios):.2f}")
 
 # %% [markdown]
-# What we measured with `scripts/cpu_overlap.py` (seven alternating pairs; the tiny model, 8 prompts
-# x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine with nothing
-# else running: medians of the async/sync ratio of 0.71 to 0.92 over eight runs (0.82-0.84 in the
-# three runs of fifteen pairs), single pairs from 0.51 to 1.17, device busy from 75% (sync) to 96%
-# (async), the same tokens; with other people's jobs on the same cores, medians of 0.85 to 1.0.
+# What we measured with `scripts/cpu_overlap.py` (seven or fifteen alternating pairs; the tiny model,
+# 8 prompts x 48 new tokens; BENCHMARKS.md has the command and the machine) on a 2-core machine with
+# nothing else running: medians of the async/sync ratio of 0.71 to 0.92 over eight runs, single pairs
+# from 0.51 to 1.17, device busy from 75% (sync) to 96% (async), the same tokens; with other people's
+# jobs on the same cores, medians of 0.85 to 1.0. Since the host's work per step became cheaper
+# (below), 0.84 to 0.91 over three runs of fifteen pairs, with the sync loop busy 80-84%.
 # The asynchronous loop is faster on a CPU,
 # without any injected delay, because the emulated device is a **process of its own** (notebook
 # 02): its forward pass runs on one core while the host prepares the next batch on the other.
 #
-# Why not more? A decode step costs the host about 1 ms (prepare + update) and the device about
-# 5 ms, plus about 1.5 ms of copies, messages and waking up the other side, which the synchronous
-# loop pays in turn and the asynchronous one hides. So about 0.7 is within reach on two idle cores.
-# Two things keep it from that. The device does its own bookkeeping on its core (unpacking the next
-# step's launches, copies, telling the host an event was reached): in the asynchronous loop that
-# happens during a forward pass and lengthens it a little. And where the operating system is free
-# to move processes between cores, it sometimes put the device's forward pass on the host's core
-# (compute spans about 1.2 times longer); the device process is therefore pinned to the cores the
-# host does not use first. On a busy machine a third program takes turns with our two processes:
-# overlap pays only when there is a free core to overlap into. (With the older emulation, threads of one interpreter, the ratio was 0.89-1.05:
-# the device's Python and the host's took turns holding the GIL.)
+# Why not more? The asynchronous loop can only hide what the synchronous loop spends *outside* the
+# device's work. If a step keeps the device busy for the same time in both loops, then
+#
+#     async wall / sync wall  ~  (device busy, sync) / (device busy, async)
+#
+# Here a decode step costs the device about 4.5 ms (its forward pass), and everything else about 1 ms:
+# the host's prepare and update (0.5 ms) plus copies, messages and waking up the other side. The sync
+# loop therefore keeps the device busy about 80% of the time, and with the async loop at 96-97% the
+# best we can hope for is about 0.8. The cheaper the host's work, the less there is to hide: making
+# the host faster makes *both* loops faster, and the async one's advantage smaller. Two more things
+# cost a little. The device does its own bookkeeping on its core (unpacking the next step's
+# launches, copies, telling the host an event was reached): in the asynchronous loop that happens
+# during a forward pass and lengthens it a little. And where the operating system is free to move
+# processes between cores, it sometimes put the device's forward pass on the host's core (compute
+# spans about 1.2 times longer); the device process is therefore pinned to the cores the host does
+# not use first. On a busy machine a third program takes turns with our two processes: overlap pays
+# only when there is a free core to overlap into. (With the older emulation, threads of one
+# interpreter, the ratio was 0.89-1.05: the device's Python and the host's took turns holding the GIL.)
 #
 # With 5 ms of device time per step that needs no CPU (the injected delay is a sleep), the host's
 # work hides under the device's even on a busy machine. That is the situation on a GPU: the GPU
