@@ -17,7 +17,7 @@ import torch
 import minibatch
 from minibatch.batch import bucket
 from minibatch.device import get_device
-from minibatch.step import ROW_BUCKETS, StepRunner
+from minibatch.step import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, StepRunner
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -168,16 +168,21 @@ print("one slot correct?", compute_bad == reference, "  two slots correct?", com
 #   key length that is a multiple of a bucket (`model.decode_kv_bucket`: 64 keys on a GPU, 256 when
 #   the step is compiled), and each (slot, rows, keys) gets its own graph, captured the first time
 #   it comes up (`minibatch/step.py`). A finer bucket pads less but needs more graphs;
-#   notebook 07 measures what 64 instead of 256 saves;
+#   notebook 07 measures what 64 instead of 256 saves. Prefill and mixed steps are padded too: their
+#   tokens to a size from `TOKEN_BUCKETS`, the keys they read to one from `KEY_BUCKETS`, with
+#   padding tokens that see only padding keys (`batch.pad_flat`). Their shapes repeat less than
+#   decode steps' do, so a short first run pays more captures than it saves (`BENCHMARKS.md`);
 # * all graphs share **one memory pool**: they never run at the same time, so the scratch memory of
 #   one can be reused by the next.
 #
-# Which graph would a decode step of 13 requests, the longest at 700 tokens, use?
+# Which graph would a decode step of 13 requests, the longest at 700 tokens, use? And a prefill step?
 
 # %%
 rows, context, kv_bucket = 13, 700, 64
 print("rows padded to", bucket(rows, ROW_BUCKETS), "| keys per row padded to",
       -(-(context + 1) // kv_bucket) * kv_bucket)
+# and a prefill step of 1100 tokens that reads 5000 keys (at least one padding key is always added)
+print("tokens padded to", bucket(1100, TOKEN_BUCKETS), "| keys padded to", bucket(5000 + 1, KEY_BUCKETS))
 
 # %% [markdown]
 # On the CPU there are no graphs: the same runner calls the step eagerly.
