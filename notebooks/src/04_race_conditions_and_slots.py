@@ -171,7 +171,7 @@ print("one slot correct?", compute_bad == reference, "  two slots correct?", com
 #   notebook 07 measures what 64 instead of 256 saves. Prefill and mixed steps are padded too: their
 #   tokens to a size from `TOKEN_BUCKETS`, the keys they read to one from `KEY_BUCKETS`, with
 #   padding tokens that see only padding keys (`batch.pad_flat`). Their shapes repeat less than
-#   decode steps' do, so a short first run pays more captures than it saves (`BENCHMARKS.md`);
+#   decode steps' do, so a short first run can pay more for captures than it saves (`BENCHMARKS.md`);
 # * all graphs share **one memory pool**: they never run at the same time, so the scratch memory of
 #   one can be reused by the next.
 #
