@@ -81,8 +81,16 @@ def environment(model: Model | Engine) -> dict:
         dev = torch.cuda.get_device_name(model.device)
     return {"device": dev, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "model": model.name, "dtype": str(model.dtype),
-            "command": " ".join(["python -m minibatch", *sys.argv[1:]]),
+            "command": " ".join([_program(), *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d")}
+
+
+def _program() -> str:
+    """How this process was started: `python -m minibatch`, or the script that imported the bench."""
+    first = sys.argv[0] if sys.argv else ""
+    if not first or first.endswith("__main__.py") or first == "-m":
+        return "python -m minibatch"
+    return f"python {Path(first).as_posix()}"
 
 
 def format_table(results: list[Result]) -> str:
