@@ -39,6 +39,7 @@ class DecodeKeys:
         self.tables: list = []  # the rows' cell tables, held so that no other array can take their ids
         self.ends = np.zeros(0, np.int64)
         self.arrays = [np.zeros((0, 0), np.int64)] * 3  # cells, row index (-1: padding), positions
+        self.all_cells = np.zeros((0, 0), np.int64)  # every row's cells up to the width, read or not yet
 
     def build(self, ends: np.ndarray, tables: list[np.ndarray], scratch: int, bucket_size: int):
         """The table for rows with these ends and cell tables: (flat views of the 3 arrays, a KeySource)."""
@@ -55,8 +56,7 @@ class DecodeKeys:
             cells, seq, pos = self.arrays
             grew = np.flatnonzero(ends > self.ends)
             at = ends[grew] - 1
-            cells[grew, at] = np.fromiter((tables[i][p] for i, p in zip(grew.tolist(), at.tolist())), np.int64,
-                                          len(grew))
+            cells[grew, at] = self.all_cells[grew, at]
             seq[grew, at] = grew
             pos[grew, at] = at
         self.key, self.ends, self.tables = key, ends, tables
@@ -65,15 +65,25 @@ class DecodeKeys:
     def _fresh(self, ends, tables, scratch, width):
         n = len(ends)
         valid = np.arange(width) < ends[:, None]
-        cells = np.full((n, width), scratch, np.int64)
-        for i, (t, e) in enumerate(zip(tables, ends.tolist())):
-            cells[i, :e] = t[:e]
+        self.all_cells = _all_cells(tables, width, scratch)
+        cells = np.where(valid, self.all_cells, scratch)
         self.arrays = [cells, np.where(valid, np.arange(n)[:, None], -1), np.where(valid, np.arange(width), 0)]
 
     def _widen(self, width, scratch):
         n, old = self.arrays[0].shape
         self.arrays = [np.concatenate([a, np.full((n, width - old), fill, np.int64)], 1)
                        for a, fill in zip(self.arrays, (scratch, -1, 0))]
+        self.all_cells = _all_cells(self.tables, width, scratch)
+
+
+def _all_cells(tables, width: int, scratch: int) -> np.ndarray:
+    """[rows, width]: each row's cell table up to `width`, the scratch cell past its end. Built when
+    the rows or the width change; a step then reads its new cells from it in one gather."""
+    out = np.full((len(tables), width), scratch, np.int64)
+    for i, t in enumerate(tables):
+        k = min(len(t), width)
+        out[i, :k] = t[:k]
+    return out
 
 
 class KeySource:

@@ -21,6 +21,7 @@ token.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,8 +56,9 @@ class BatchPlan:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    @property
+    @functools.cached_property
     def sampling_chunks(self) -> list[ScheduledChunk]:
+        """The chunks that sample, in the order of the step's output rows (asked for several times a step)."""
         return [c for c in self.chunks if c.sample]
 
 
@@ -158,7 +160,8 @@ class Scheduler:
         an EOS surprises the async one. Handing their blocks to a newcomer in the next step is safe: the
         device runs the step in flight, the last one that writes them for the old owner, first.
         """
-        for r in [r for r in self.running if r.state == RequestState.DECODING and r.num_sampled >= r.max_new_tokens]:
+        decoding = RequestState.DECODING  # (the cheap test first: this runs over every request every step)
+        for r in [r for r in self.running if r.num_sampled >= r.max_new_tokens and r.state is decoding]:
             self.running.remove(r)
             self.allocator.free(r.blocks)
             self.retiring.append(r)
@@ -179,6 +182,10 @@ class Scheduler:
             r = chunk.request
             if r.state is finished:
                 continue  # async only: it hit EOS one step earlier; this token is past its end
+            out = r.output
+            if r.eos_token_id is None and len(out) + 1 < r.max_new_tokens:
+                out.append(int(token))  # Request.append_token's common case, inlined: once per row per step
+                continue
             r.append_token(int(token))
             if r.state is finished:
                 done.append(r)
