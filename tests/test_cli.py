@@ -89,3 +89,19 @@ def test_triton_attention_without_triton_is_named(capsys):
     code, _, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--decode-attention",
                             "triton", "--no-progress")
     assert code == 2 and "needs the triton package" in err
+
+
+def test_host_cost_ab_compares_two_checkouts(tmp_path):
+    """scripts/host_cost_ab.py against this very checkout: both sides run the same code, step by step."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "host_cost_ab.py"), str(tmp_path), "--against",
+                        str(root), "--rows", "8", "--context", "40", "--steps", "20"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    results = json.loads((tmp_path / "host_cost_ab.json").read_text())["results"]
+    assert set(results) == {"this", "against"} and all(v["total"] > 0 for v in results.values())
+    bad = subprocess.run([sys.executable, str(root / "scripts" / "host_cost_ab.py"), str(tmp_path), "--against",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no minibatch package there" in bad.stderr
