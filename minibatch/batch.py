@@ -92,19 +92,14 @@ def needs_placeholder(r: Request, pos: int) -> bool:
 
 
 def input_token(r: Request, pos: int) -> int:
-    """The token at position pos of r if the host knows it yet, else the placeholder 0 (notebook 05)."""
-    if needs_placeholder(r, pos):
-        return 0
-    return r.prompt[pos] if pos < len(r.prompt) else r.output[pos - len(r.prompt)]  # no list copies
+    """The token at position pos of r if the host knows it yet, else the placeholder 0 (notebook 05).
 
-
-def _one_token(r: Request, pos: int) -> int:
-    """input_token for one position, inlined (it runs once per decoding request per step)."""
+    (The same test as needs_placeholder, written out: it runs once per decoding request per step.)"""
     prompt = r.prompt
     if pos < len(prompt):
         return prompt[pos]
     k, out = pos - len(prompt), r.output
-    return out[k] if k < len(out) else 0
+    return out[k] if k < len(out) else 0  # no list copies
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -137,7 +132,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         starts_l = [c.start for c in chunks]
         sampled = [c.request for c in chunks]
         tables = [_table(r, bs, s + 1) for r, s in zip(sampled, starts_l)]
-        ids = [_one_token(r, s) for r, s in zip(sampled, starts_l)]
+        ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
         starts = np.array(starts_l, np.int64)
         ends, counts, sample = starts + 1, np.ones(n, np.int64), np.ones(n, bool)
         decode = True
@@ -151,7 +146,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
             if end <= len(prompt):  # (part of) the prompt: all known
                 ids.extend(prompt[start:end])
             elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
-                ids.append(_one_token(r, start))
+                ids.append(input_token(r, start))
             else:
                 ids.extend(input_token(r, p) for p in range(start, end))
             if samples:

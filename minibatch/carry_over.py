@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch import needs_placeholder
 from .scheduler import BatchPlan
 
 
@@ -41,7 +42,7 @@ def carry_over_mask(prev: BatchPlan | None, plan: BatchPlan) -> list[int]:
     where: dict[int, int] = {}  # id(request) -> index of its placeholder in plan's input ids
     offset = 0
     for r, start, end, _ in plan.chunks:
-        if start >= len(r.prompt) + len(r.output):  # batch.needs_placeholder, inlined: once per row per step
+        if needs_placeholder(r, start):
             where[id(r)] = offset  # a decode chunk whose input is the token still in flight
         offset += end - start
     return [where.get(id(c.request), -1) for c in prev.sampling_chunks]

@@ -182,10 +182,6 @@ class Scheduler:
             r = chunk.request
             if r.state is finished:
                 continue  # async only: it hit EOS one step earlier; this token is past its end
-            out = r.output
-            if r.eos_token_id is None and len(out) + 1 < r.max_new_tokens:
-                out.append(int(token))  # Request.append_token's common case, inlined: once per row per step
-                continue
             r.append_token(int(token))
             if r.state is finished:
                 done.append(r)
