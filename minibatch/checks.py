@@ -176,9 +176,8 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
                          "eager: compiling would take longer than the tiny model's whole run)")
     if cuda_graphs is None:
         cuda_graphs = cuda
-    elif cuda_graphs != "decode":
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {cuda_graphs!r}')
+    elif cuda_graphs != "decode" and not isinstance(cuda_graphs, bool):
+        raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {cuda_graphs!r}')
     if cuda_graphs and not cuda:
         raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
     num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)

@@ -234,9 +234,10 @@ class Engine:
             compiled = self._compiled
         cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
         slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]
-        self.kept[shape] = Resources(cache, slots, StepRunner(model, cache, bool(shape.cuda_graphs), compiled,
-                                                                  None if shape.cuda_graphs == "decode" else
-                                                                  (shape.max_tokens, shape.max_keys, shape.rows)))
+        # with the slots' capacity the runner pads prefill steps so that they can be graphs ("decode": not)
+        capacity = None if shape.cuda_graphs == "decode" else (shape.max_tokens, shape.max_keys, shape.rows)
+        runner = StepRunner(model, cache, bool(shape.cuda_graphs), compiled, capacity)
+        self.kept[shape] = Resources(cache, slots, runner)
         return self.kept[shape]
 
     def _abandon(self) -> None:
