@@ -22,6 +22,7 @@ does) and the fastest step's total ("best"); writes host_cost.json into the outp
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import statistics
@@ -33,68 +34,73 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from minibatch.batch import build_batch  # noqa: E402
-from minibatch.carry_over import carry_over_mask  # noqa: E402
 from minibatch.device import get_device  # noqa: E402
-from minibatch.step import ROW_BUCKETS  # noqa: E402
-from minibatch.kv_cache import PagedKVCache  # noqa: E402
-from minibatch.requests import Request  # noqa: E402
-from minibatch.scheduler import Scheduler  # noqa: E402
-from minibatch.slots import IOSlot  # noqa: E402
 
 PARTS = ("schedule", "build", "load", "carry", "update")
 BLOCK_SIZE = 16  # generate's default block size
 
 
-def host_cost(rows: int, context: int, decode_layout: bool, steps: int = 50) -> dict[str, float]:
-    """Median milliseconds per decode step of each host part, and of prepare + update ("total")."""
-    reqs = [Request(i, [(i + j) % 1000 for j in range(context)], steps + 2) for i in range(rows)]
+def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout: bool,
+               temperature: float = 0.0):
+    """Set up `rows` requests with `context`-token prompts, prefilled (not timed), and return a function
+    that runs one decode step's host work and returns the seconds of each of PARTS.
+
+    `pkg` is the package to take every piece from ("minibatch", or another checkout's copy of it,
+    scripts/host_cost_ab.py); `dev` gives the IO slot its buffers."""
+    m = {name: importlib.import_module(f"{pkg}.{name}")
+         for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over", "step")}
+    R = m["requests"]
+    reqs = [R.Request(i, [(i + j) % 1000 for j in range(context)], new_tokens,
+                      R.SamplingParams(temperature, 0, 1.0, i)) for i in range(rows)]
     blocks = sum(-(-r.max_len // BLOCK_SIZE) for r in reqs)
-    cache = PagedKVCache(1, 1, 1, blocks, BLOCK_SIZE)  # storage size is irrelevant to host cost
-    sched = Scheduler(cache.allocator, max(rows, 8192), rows)
+    cache = m["kv_cache"].PagedKVCache(1, 1, 1, blocks, BLOCK_SIZE)  # storage size is irrelevant to host cost
+    sched = m["scheduler"].Scheduler(cache.allocator, max(rows, 8192), rows)
     for r in reqs:
         sched.add(r)
-    kw = dict(kv_bucket=1, decode_layout=decode_layout, row_buckets=ROW_BUCKETS if decode_layout else (),
+    row_buckets = m["step"].ROW_BUCKETS
+    kw = dict(kv_bucket=1, decode_layout=decode_layout, row_buckets=row_buckets if decode_layout else (),
               decode_bucket=64 if decode_layout else None)
-    width = -(-(context + steps + 2) // 64) * 64
+    width = -(-(context + new_tokens) // 64) * 64
+    slot = m["slots"].IOSlot(dev, 0, max(rows, 8192), max(blocks * BLOCK_SIZE, rows * width) + 64,
+                             max(m["batch"].bucket(rows, row_buckets), rows))
+    while any(r.num_sampled == 0 for r in reqs):  # prefill, not timed
+        plan = sched.schedule()
+        sched.update(plan, [1] * len(plan.sampling_chunks))
+    build_batch, carry_over_mask = m["batch"].build_batch, m["carry_over"].carry_over_mask
+    state = {"prev": None}
+
+    def step() -> tuple:
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        batch = build_batch(plan, cache, **kw)
+        t2 = time.perf_counter()
+        carry = carry_over_mask(state["prev"], plan)
+        t3 = time.perf_counter()
+        slot.load(batch, carry)
+        del batch  # as in the loops, which keep no batch after loading it (batch.py: copy on write)
+        t4 = time.perf_counter()
+        sched.update(plan, slot.sampled(len(plan.sampling_chunks)))  # the D2H'd buffer, read as the loop does
+        t5 = time.perf_counter()
+        state["prev"] = plan
+        return t1 - t0, t2 - t1, t4 - t3, t3 - t2, t5 - t4  # in the order of PARTS
+
+    return step
+
+
+def host_cost(rows: int, context: int, decode_layout: bool, steps: int = 50) -> dict[str, float]:
+    """Median milliseconds per decode step of each host part, and of prepare + update ("total")."""
     dev = get_device("cpu")
     try:
-        slot = IOSlot(dev, 0, max(rows, 8192), max(blocks * BLOCK_SIZE, rows * width) + 64,
-                      max(bucket_rows(rows), rows))
-        while any(r.num_sampled == 0 for r in reqs):  # prefill, not timed
-            plan = sched.schedule()
-            sched.update(plan, [1] * len(plan.sampling_chunks))
-        times = {p: [] for p in PARTS}
-        prev = None
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            plan = sched.schedule()
-            t1 = time.perf_counter()
-            batch = build_batch(plan, cache, **kw)
-            t2 = time.perf_counter()
-            carry = carry_over_mask(prev, plan)
-            t3 = time.perf_counter()
-            slot.load(batch, carry)
-            del batch  # as in the loops, which keep no batch after loading it (batch.py: copy on write)
-            t4 = time.perf_counter()
-            sampled = slot.sampled(len(plan.sampling_chunks))  # the D2H'd buffer, read as the loop does
-            t5 = time.perf_counter()
-            sched.update(plan, sampled)
-            t6 = time.perf_counter()
-            prev = plan
-            for p, dt in zip(PARTS, (t1 - t0, t2 - t1, t4 - t3, t3 - t2, t6 - t4)):
-                times[p].append(dt * 1e3)
-        out = {p: statistics.median(v) for p, v in times.items()}
-        totals = [sum(times[p][i] for p in PARTS) for i in range(steps)]
-        out["total"] = statistics.median(totals)
-        out["best"] = min(totals)  # the least disturbed step: on a shared machine, a bound on the noise
-        return out
+        step = host_steps("minibatch", dev, rows, context, steps + 2, decode_layout)
+        times = [step() for _ in range(steps)]
     finally:
         dev.close()
-
-
-def bucket_rows(rows: int) -> int:
-    return next((b for b in ROW_BUCKETS if b >= rows), rows)
+    out = {p: 1e3 * statistics.median(t[k] for t in times) for k, p in enumerate(PARTS)}
+    totals = [1e3 * sum(t) for t in times]
+    out["total"] = statistics.median(totals)
+    out["best"] = min(totals)  # the least disturbed step: on a shared machine, a bound on the noise
+    return out
 
 
 def main() -> None:

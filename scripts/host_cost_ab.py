@@ -16,7 +16,6 @@ writes host_cost_ab.json.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-PARTS = ("schedule", "build", "carry", "load", "update")
+from host_cost import PARTS, host_steps  # noqa: E402 (this folder is on the path of a script run)
 
 
 class _HostOnly:
@@ -42,44 +41,6 @@ class _HostOnly:
 
     def event(self):
         return None
-
-
-def stepper(pkg: str, rows: int, context: int, new_tokens: int):
-    """A function that runs one decode step's host work with package `pkg` and returns its part times."""
-    m = {name: importlib.import_module(f"{pkg}.{name}")
-         for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over", "step")}
-    R = m["requests"]
-    reqs = [R.Request(i, [(i + j) % 1000 for j in range(context)], new_tokens, R.SamplingParams(0.7, 0, 1.0, i))
-            for i in range(rows)]
-    cache = m["kv_cache"].PagedKVCache(1, 1, 1, sum(-(-r.max_len // 16) for r in reqs), 16)
-    sched = m["scheduler"].Scheduler(cache.allocator, max(rows, 8192), rows)
-    for r in reqs:
-        sched.add(r)
-    while any(r.num_sampled == 0 for r in reqs):  # prefill, not timed
-        plan = sched.schedule()
-        sched.update(plan, [1] * len(plan.sampling_chunks))
-    width = -(-(context + new_tokens + 2) // 64) * 64
-    slot = m["slots"].IOSlot(_HostOnly(), 0, max(rows, 8192), rows * width + 64, 256)
-    kw = dict(kv_bucket=1, decode_layout=True, row_buckets=m["step"].ROW_BUCKETS, decode_bucket=64)
-    state = {"prev": None}
-
-    def step() -> tuple:
-        t0 = time.perf_counter()
-        plan = sched.schedule()
-        t1 = time.perf_counter()
-        batch = m["batch"].build_batch(plan, cache, **kw)
-        t2 = time.perf_counter()
-        carry = m["carry_over"].carry_over_mask(state["prev"], plan)
-        t3 = time.perf_counter()
-        slot.load(batch, carry)
-        del batch  # as the loops do (batch.py: copy on write)
-        t4 = time.perf_counter()
-        sched.update(plan, slot.sampled(len(plan.sampling_chunks)))
-        t5 = time.perf_counter()
-        state["prev"] = plan
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4
-
-    return step
 
 
 def main() -> None:
@@ -98,8 +59,8 @@ def main() -> None:
         shutil.copytree(other, Path(tmp) / "minibatch_against", ignore=shutil.ignore_patterns("assets"))
         sys.path.insert(0, tmp)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        sides = {"this": stepper("minibatch", a.rows, a.context, a.steps + 10),
-                 "against": stepper("minibatch_against", a.rows, a.context, a.steps + 10)}
+        sides = {name: host_steps(pkg, _HostOnly(), a.rows, a.context, a.steps + 10, True, temperature=0.7)
+                 for name, pkg in (("this", "minibatch"), ("against", "minibatch_against"))}
         times = {k: [] for k in sides}
         for i in range(a.steps):
             for name in (("this", "against") if i % 2 else ("against", "this")):
