@@ -15,6 +15,8 @@
 #   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (prefill_graphs_ab.py)
 #   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
 #              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py)
+#   linear     the 8B shape's Linear layers at 1-128 rows: cuBLAS, a Triton skinny-product kernel, merged
+#              projections, against the weight floor (skinny_mm_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -24,7 +26,7 @@
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile floor prefill kernels triton profile sweep host}
+sections=${*:-tests headline eager arrivals compile floor prefill kernels linear triton profile sweep host}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -52,6 +54,8 @@ for s in $sections; do
     kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
              tail -20 "$out/$s/attention_ab.log"
              python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
+    linear) python3 scripts/gpu/skinny_mm_ab.py "$out/$s" > "$out/$s/skinny_mm.log" 2>&1
+            tail -5 "$out/$s/skinny_mm.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
