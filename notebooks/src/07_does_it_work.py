@@ -232,7 +232,7 @@ for m in matrix:
 #
 # * **The matrix products themselves** (dotted line): at 1 to 32 rows, cuBLAS streams the weights at
 #   about 80% of the copy's bandwidth, so the products alone are ~1.25x the weights' share of the
-#   floor. Nothing in the step's Python can change that; other matrix-product kernels could.
+#   floor. Nothing in the step's Python can change that; the next figure shows what could.
 # * **Small kernels.** A step of 32 layers is ~1500 kernels eagerly: RMSNorm, rotary embedding, the
 #   MLP's activation, residual adds, each a few microseconds plus a gap. That is the gap between the
 #   eager and the compiled line, 1.4-2.8 ms; `torch.compile` fuses them (about 30 s of
@@ -241,6 +241,46 @@ for m in matrix:
 # Where the context is long and the batch large (128 x 2048: 34 GB of keys and values per step), the
 # keys dominate and even the eager step comes within 1.5x: there the attention kernel's bandwidth is
 # what counts.
+
+# %% [markdown]
+# Which matrix products lose the time? `scripts/gpu/skinny_mm_ab.py` timed every Linear shape of the
+# 8B model on its own, 32 copies of each weight in one CUDA graph (as the 32 layers), and divided the
+# bytes by the time: the bandwidth each product reaches. Beside them, two products the model does not
+# have: q, k and v as one product with their three weights stacked (6144 outputs), and gate and up as
+# one (28672 outputs).
+
+# %%
+mm = json.load(open(DATA + "gpu_skinny_mm_2026-12-01.json"))
+bw = mm["copy_bandwidth"] / 1e9
+names = ["q", "k", "v", "o", "gate", "up", "down", "lm_head", "qkv", "gate_up"]
+fig, ax = plt.subplots(figsize=(8, 3.2))
+for i, rows in enumerate((1, 32)):
+    gbs = [mm["shapes"][n][str(rows)]["floor_ms"] * bw / mm["shapes"][n][str(rows)]["cublas_ms"] for n in names]
+    ax.bar([j + 0.4 * i for j in range(len(names))], gbs, width=0.4, label=f"{rows} row{'s' * (rows > 1)}")
+ax.axhline(bw, color="black", ls="--", lw=1)
+ax.text(len(names) - 0.6, bw * 1.02, f"copy {bw:.0f} GB/s", ha="right", fontsize=8)
+ax.set_xticks([j + 0.2 for j in range(len(names))],
+              [n if n not in ("qkv", "gate_up") else n + "\n(merged)" for n in names], fontsize=8)
+ax.set_ylabel("GB/s reached by cuBLAS")
+ax.legend(fontsize=8, loc="lower right")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/07_linear_bandwidth_gpu.png", dpi=110)
+print(f"{'rows':>4} {'floor':>6} {'as the model is':>16} {'q/k/v, gate/up merged':>22}   (ms, all 32 layers + LM head)")
+for rows in mm["rows"]:
+    t = mm["total"][str(rows)]
+    print(f"{rows:4d} {t['floor_ms']:6.2f} {t['cublas_ms']:9.2f} ({t['cublas_ms'] / t['floor_ms']:.2f}x)"
+          f" {t['merged_cublas_ms']:14.2f} ({t['merged_cublas_ms'] / t['floor_ms']:.2f}x)")
+
+# %% [markdown]
+# The big products (gate, up, down, the LM head: 112 MB to 1 GB each) stream close to the copy's
+# bandwidth. The small ones do not: k and v are 8 MB each, and their product is over before the GPU's
+# 132 multiprocessors are all streaming; q and o (32 MB) do better but not well. Stacking q, k and v
+# into one weight makes one product big enough, and the Linear layers go from 1.22-1.38x their floor
+# to 1.07-1.25x: half a millisecond per step at every batch size. That is what production engines do
+# (vLLM's model code has one `qkv_proj` and one `gate_up_proj` per layer). minibatch does not: it
+# plugs into transformers' models through the attention interface only, and merging weights means
+# rewriting the model's modules. A hand-written Triton kernel for few-row products, the other idea
+# tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
