@@ -1,7 +1,7 @@
 """The decode step against its full floor, at fixed batch sizes and context lengths (GPU only).
 
     python3 scripts/gpu/floor_matrix.py OUTDIR [--model llama3-8b-shape] [--batches 1,8,32,128]
-                                               [--contexts 512,2048] [--compile]
+                                               [--contexts 512,2048] [--compile] [--kernels [top]]
 
 Why not read the step off a generate run: there the batch changes as requests arrive and finish, and
 at large batch x context most steps are prefill. Here every point is one decode step at exactly
@@ -20,6 +20,10 @@ at large batch x context most steps are prefill. Here every point is one decode 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
 shapes; coarser key buckets), with the seconds its first call took (compilation) beside it.
+With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
+by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
+step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
+where a step's time above its floor goes.
 Writes OUTDIR/floor_matrix.json after every point, and prints a table.
 """
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
@@ -42,9 +48,33 @@ from minibatch.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.step import CompiledStep, StepRunner  # noqa: E402
 
 BLOCK = 16
+KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),
+         "attention": ("_decode_kernel", "_combine_kernel", "flash", "attention", "fmha")}
 
 
-def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | None, replays: int) -> dict:
+def kernel_breakdown(replay, reps: int = 5) -> dict:
+    """Milliseconds per step of each kind of kernel (KINDS, "other"), and kernels per step."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    out = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "kernels": 0}
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            continue
+        name = e.name.lower()
+        kind = next((k for k, pats in KINDS.items() if any(p in name for p in pats)), "other")
+        ms = (e.time_range.end - e.time_range.start) / 1e3 / reps
+        out[kind] += ms
+        out["kernels"] += 1 / reps
+        by_name[f"{kind}: {e.name[:90]}"] = by_name.get(f"{kind}: {e.name[:90]}", 0.0) + ms
+    out["top"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]  # the kernels that take the most
+    return out
+
+
+def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | None, replays: int,
+                 kernels: bool = False, verbose: bool = False) -> dict:
     """Mean ms of one graphed decode step at `batch` rows x `context` tokens (+ the new one)."""
     cache = model.make_cache(batch * (-(-(context + 2) // BLOCK) + 1) + 8, BLOCK)
     for layer in range(model.num_layers):  # stand-in contents: the time does not depend on them
@@ -79,9 +109,16 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / replays
     keys = host.kv_indices.shape[0] // host.decode_rows
+    parts = kernel_breakdown(graph.replay) if kernels else None
+    if parts:
+        parts["gaps"] = ms - parts["matmul"] - parts["attention"] - parts["other"]
+        if verbose:
+            for name, kms in parts["top"]:
+                print(f"{'':18} {kms:6.3f} ms  {name}", flush=True)
     del runner, graph, args, slot, cache
     torch.cuda.empty_cache()
-    return {"ms": ms, "first_call_s": first_s, "rows_padded": host.decode_rows, "keys_per_row": keys}
+    return {"ms": ms, "first_call_s": first_s, "rows_padded": host.decode_rows, "keys_per_row": keys,
+            "kernels": parts}
 
 
 def main() -> None:
@@ -95,6 +132,9 @@ def main() -> None:
                     help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs: Inductor times "
                          "its own matrix-product kernels against cuBLAS for each shape; much longer compiles)")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top"],
+                    help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
+                         "gaps); 'top': and print the twelve kernels that take the most time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("floor_matrix.py measures CUDA graph replays: it needs a CUDA GPU")
@@ -120,15 +160,23 @@ def main() -> None:
             linear = bench.weight_floor_ms(model, batch)
             for context in contexts:
                 floor = bench.decode_floor_ms(model, batch, context + 1, bandwidth)
-                row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear}
+                kv_floor = floor - bench.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
+                row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
-                    r = decode_point(model, dev, batch, context, compiled, args.replays)
+                    r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
+                                     args.kernels == "top")
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
                     + "".join(f"   ({p}: first call {row[p]['first_call_s']:.1f} s)" for p in paths if p != "default"),
                     flush=True)
+                for p in paths:
+                    k = row[p]["kernels"]
+                    if k:
+                        print(f"{'':14} {p}: {k['kernels']:.0f} kernels; matmul {k['matmul']:.2f}, attention "
+                              f"{k['attention']:.2f} (keys and values at the floor: {kv_floor:.2f}), other "
+                              f"{k['other']:.2f}, gaps {k['gaps']:.2f} ms", flush=True)
                 (out / "floor_matrix.json").write_text(json.dumps({"env": env, "points": points}, indent=1))
 
 
