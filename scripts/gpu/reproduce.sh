@@ -10,11 +10,12 @@
 #   eager      the same workload without CUDA graphs (every step eager)
 #   arrivals   the same workload with requests arriving over the first 128 steps (prefill steps all along)
 #   compile    sync and async with torch.compile'd decode steps, beside transformers' generate_batch modes
-#   floor      the decode step at fixed batch x context against its full floor, default and compiled
-#              (floor_matrix.py)
+#   floor      the decode step at fixed batch x context against its full floor, default and compiled,
+#              its kernels summed by kind (floor_matrix.py --kernels)
 #   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (prefill_graphs_ab.py)
 #   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
-#              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py)
+#              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py); that
+#              kernel's launch settings swept (decode_kernel_tune.py)
 #   linear     the 8B shape's Linear layers at 1-128 rows: cuBLAS, a Triton skinny-product kernel, merged
 #              projections, against the weight floor (skinny_mm_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
@@ -47,13 +48,15 @@ for s in $sections; do
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     compile) python3 -m minibatch bench "${eightb[@]}" --modes sync,async,sync+compile,async+compile --floor \
                --hf --hf-all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
-    floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile > "$out/$s/floor.log" 2>&1
-           tail -12 "$out/$s/floor.log" ;;
+    floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile --kernels > "$out/$s/floor.log" 2>&1
+           tail -28 "$out/$s/floor.log" ;;
     prefill) python3 scripts/gpu/prefill_graphs_ab.py "$out/$s" > "$out/$s/prefill.log" 2>&1
              tail -20 "$out/$s/prefill.log" ;;
     kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
              tail -20 "$out/$s/attention_ab.log"
-             python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log" ;;
+             python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log"
+             python3 scripts/gpu/decode_kernel_tune.py "$out/$s" > "$out/$s/decode_kernel_tune.log" 2>&1
+             tail -6 "$out/$s/decode_kernel_tune.log" ;;
     linear) python3 scripts/gpu/skinny_mm_ab.py "$out/$s" > "$out/$s/skinny_mm.log" 2>&1
             tail -5 "$out/$s/skinny_mm.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
