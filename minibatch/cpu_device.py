@@ -26,7 +26,8 @@ of the tiny model (three launches, one round trip) pays that instead of a GIL sh
 on two cores the async loop then wins back most of the host's share of a step. The host keeps one
 torch thread while the device is open: a second one waits for the core the device is using. The
 device process is pinned to every core but the host's first one (where the platform allows it).
-Needs the `fork` start method (Linux, macOS): elsewhere opening it raises; use "cpu-threads".
+Needs the `fork` start method (Linux, macOS): constructed where there is none it raises, and
+`get_device("cpu")` opens "cpu-threads" there instead (device.py).
 
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
 devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel

@@ -40,6 +40,8 @@ without a host sync (each backend's docstring says how).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import warnings
 
 import torch
@@ -50,6 +52,7 @@ from .thread_device import ThreadDevice
 from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 BACKENDS = ("cpu", "cpu-threads", "cuda")
+CPU_DEVICE_VAR = "MINIBATCH_CPU_DEVICE"  # "cpu-threads": every "cpu" device opens as threads
 
 __all__ = ["get_device", "BACKENDS", "Device", "Stream", "Event", "DeviceError", "DeviceTimeoutError"]
 
@@ -58,6 +61,11 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     """Open the device layer: "cpu" (an emulated device process), "cpu-threads" (emulated with threads of
     this process) or "cuda"/"cuda:N" (a GPU).
 
+    "cpu" falls back to "cpu-threads", with a warning, where no device process can run: on a platform
+    that cannot fork (Windows), and in a process that has started CUDA. The environment variable
+    MINIBATCH_CPU_DEVICE=cpu-threads makes every "cpu" device threads (for a machine where the device
+    process fails).
+
     `timeline` (a minibatch.timeline.Timeline or None) receives a span per launch and copy. Options go
     to the backend (cpu, cpu-threads: `switch_interval`, `torch_threads`). `inherit`: objects device work
     will use that exist now (the model): the cpu device's process inherits them when it forks, instead
@@ -65,6 +73,15 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     Close the device, or use it in a `with`.
     """
     name = str(kind)
+    thread_options = {k: v for k, v in options.items() if k in ("switch_interval", "torch_threads")}
+    if name == "cpu" and _cpu_backend() == "cpu-threads":
+        return ThreadDevice(timeline, **thread_options)
+    if name == "cpu" and "fork" not in multiprocessing.get_all_start_methods():
+        # (Windows) the device process is a fork that inherits the model, and shared memory travels as
+        # file descriptors over a Unix socket: neither exists there
+        warnings.warn("this platform cannot fork, so the cpu device cannot start a device process: it runs "
+                      "as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
+        return ThreadDevice(timeline, **thread_options)
     if name == "cpu" and torch.cuda.is_initialized():
         # a forked child of a process that has started CUDA cannot touch CUDA again (it dies with
         # "CUDA error: initialization error" as soon as torch asks for a device): on a GPU machine
@@ -72,7 +89,7 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
         # default warning filter says so once per calling line)
         warnings.warn("this process has started CUDA, so the cpu device cannot fork a device process: it "
                       "runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
-        return ThreadDevice(timeline, **{k: v for k, v in options.items() if k in ("switch_interval", "torch_threads")})
+        return ThreadDevice(timeline, **thread_options)
     if name == "cpu":
         return CpuDevice(timeline, inherit=inherit, **options)
     if name == "cpu-threads":
@@ -82,3 +99,13 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
             raise DeviceError(f"device {name!r} asked for, but this PyTorch build sees no CUDA GPU; use 'cpu'")
         return CudaDevice(torch.device(name), timeline, **options)
     raise ValueError(f"unknown device {kind!r}: use 'cpu', 'cpu-threads' or 'cuda'")
+
+
+def _cpu_backend() -> str:
+    """Which backend "cpu" opens: the device process, unless MINIBATCH_CPU_DEVICE says otherwise (an
+    escape hatch for a machine where the device process cannot work; README, common problems)."""
+    choice = os.environ.get(CPU_DEVICE_VAR, "").strip()
+    if choice in ("", "cpu", "cpu-threads"):
+        return choice or "cpu"
+    raise ValueError(f"{CPU_DEVICE_VAR}={choice!r} is not a cpu backend: use 'cpu' (a device process, the "
+                     "default) or 'cpu-threads'")

@@ -301,6 +301,39 @@ def test_unknown_device_is_a_clear_error():
             get_device("cuda")
 
 
+def test_cpu_device_falls_back_to_threads_where_the_platform_cannot_fork(monkeypatch):
+    """On Windows there is no fork (and no file descriptors over a Unix socket): the cpu device opens as
+    threads and says so, instead of failing in the first cell of every notebook."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    with pytest.warns(UserWarning, match="cannot fork.*runs as cpu-threads"):
+        d = get_device("cpu", switch_interval=0.001)  # a cpu device's options go to the threads
+    with d:
+        assert d.kind == "cpu-threads"
+        x = d.empty((1,), torch.int64).fill_(1)
+        d.stream("a").launch(x.add_, 2)
+        d.synchronize(timeout=T)
+        assert x.tolist() == [3]
+
+
+def test_an_environment_variable_makes_every_cpu_device_threads(monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("MINIBATCH_CPU_DEVICE", "cpu-threads")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        with get_device("cpu") as d:
+            assert d.kind == "cpu-threads"
+    monkeypatch.setenv("MINIBATCH_CPU_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="MINIBATCH_CPU_DEVICE='gpu' is not a cpu backend"):
+        get_device("cpu")
+    monkeypatch.setenv("MINIBATCH_CPU_DEVICE", "cpu")
+    if not torch.cuda.is_initialized():
+        with get_device("cpu") as d:
+            assert d.kind == "cpu"
+
+
 def test_cpu_device_falls_back_to_threads_where_cuda_has_started(monkeypatch):
     """A forked child cannot touch CUDA again, so once this process has started CUDA the cpu device runs
     as threads, and says so (on a GPU machine, tests/test_gpu.py checks it with CUDA really started)."""
