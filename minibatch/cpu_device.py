@@ -43,7 +43,7 @@ import pickle
 import socket
 import time
 import weakref
-from multiprocessing.reduction import sendfds
+from multiprocessing import reduction  # its sendfds exists only where Unix sockets carry descriptors
 
 import torch
 
@@ -297,7 +297,7 @@ class CpuDevice(Device):
         try:
             self._conn.send_bytes(pickle.dumps((batch, len(storages)), protocol=pickle.HIGHEST_PROTOCOL))
             if storages:
-                sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
+                reduction.sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
         except BaseException as exc:
             self._fail_channel(exc)
             raise

@@ -44,7 +44,7 @@ import weakref
 
 import cloudpickle
 import torch
-from multiprocessing.reduction import recvfds
+from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
 from .device_base import DeviceError
 _RESIDENT: tuple[type, ...] | None = None
@@ -179,7 +179,7 @@ class DeviceSide:
     def handle_batch(self, data: bytes) -> bool:
         """Run one batch of messages (the host sends what it queued at each launch); False: exit."""
         items, nfds = pickle.loads(data)
-        self.fds = list(recvfds(self.sock, nfds)) if nfds else []
+        self.fds = list(reduction.recvfds(self.sock, nfds)) if nfds else []
         for item in items:
             try:
                 msg = pickle.loads(item)

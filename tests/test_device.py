@@ -317,6 +317,35 @@ def test_cpu_device_falls_back_to_threads_where_the_platform_cannot_fork(monkeyp
         assert x.tolist() == [3]
 
 
+def test_the_package_imports_and_generates_where_unix_only_pieces_are_missing(tmp_path):
+    """What Windows lacks, taken away in a fresh interpreter: no fork, no passing of file descriptors
+    (multiprocessing.reduction.sendfds/recvfds), no CPU affinity. `import minibatch` must still work,
+    and generate must run (on threads, with the warning)."""
+    import subprocess
+    from pathlib import Path
+
+    code = """
+import multiprocessing, multiprocessing.reduction as r, os, warnings
+for name in ("sendfds", "recvfds", "DupFd"):
+    delattr(r, name)
+for name in ("fork", "sched_getaffinity", "sched_setaffinity"):
+    if hasattr(os, name):
+        delattr(os, name)
+multiprocessing.get_all_start_methods = lambda: ["spawn"]
+import minibatch
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model = minibatch.load_model("random-llama", device="cpu")
+    out = minibatch.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, mode="async")
+assert [len(o) for o in out] == [3, 3], out
+assert any("cannot fork" in str(w.message) for w in caught), [str(w.message) for w in caught]
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_an_environment_variable_makes_every_cpu_device_threads(monkeypatch):
     import warnings
 
