@@ -59,6 +59,7 @@ class Batch:
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
+    unfiltered: bool = False  # no row uses top-k or top-p: sampling needs no sort (sampling.py)
     padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
     # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
     # since it last held them (decode_keys.py); None for other batches and on the device
@@ -82,7 +83,7 @@ class Batch:
 
 
 #: the host-side layout facts that travel with a batch but are not tensors
-LAYOUT_FIELDS = ("decode_rows", "all_greedy", "padded")
+LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded")
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
@@ -197,6 +198,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         counter=t(np.array(samp[3], np.int64)),
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
+        unfiltered=not any(k > 0 for k in samp[0]) and all(p >= 1.0 for p in samp[1]),
         key_source=source,
     )
 
@@ -239,7 +241,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
         counter=ext(batch.counter, pr, 0),
-        all_greedy=bool(r == 0 or batch.all_greedy), padded=True,
+        all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
     )
 
 

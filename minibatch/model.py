@@ -117,7 +117,8 @@ class Model:
         logits = self._forward(batch, cache, decode_attention)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
             return logits.float().argmax(dim=-1)
-        return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
+        return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter,
+                      filtered=not batch.unfiltered)  # no top-k/top-p in the batch: no sort either
 
     @torch.inference_mode()
     def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:

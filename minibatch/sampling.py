@@ -49,12 +49,23 @@ def sample(
     top_p: torch.Tensor,
     seed: torch.Tensor,
     counter: torch.Tensor,
+    filtered: bool = True,
 ) -> torch.Tensor:
-    """[R, V] logits -> [R] int64 token ids. Rows with temperature 0 are greedy."""
+    """[R, V] logits -> [R] int64 token ids. Rows with temperature 0 are greedy.
+
+    `filtered=False` promises that no row uses top-k or top-p (the host knows: `Batch.unfiltered`).
+    Then nothing needs the vocabulary in sorted order, and the Gumbel-max is taken over it as it is:
+    the same token, since the noise of a vocabulary id is the same in either order, without a sort
+    over the vocabulary per row. (Only an exact float32 tie between two noisy scores could break
+    differently: by id here, by logit in the sorted order.)
+    """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     # sampled path, computed for every row (fixed shapes, no data-dependent branches)
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
+    if not filtered:
+        gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, logits.shape[-1])))
+        return torch.where(temperature > 0, (scaled + gumbel).argmax(dim=-1), greedy)
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # stable: ties break by id
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])  # top-k: keep the k largest

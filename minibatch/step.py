@@ -92,7 +92,7 @@ class CompiledStep:
 
     def __call__(self, batch, cache) -> torch.Tensor:
         width = None if self.dynamic_keys else batch.kv_indices.shape[0] // batch.decode_rows
-        shape = (batch.decode_rows, width, batch.all_greedy, cache.num_cells)
+        shape = (batch.decode_rows, width, batch.all_greedy, cache.num_cells, batch.unfiltered)
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)

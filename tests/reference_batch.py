@@ -61,6 +61,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         counter=torch.tensor(counter, dtype=i64),
         decode_rows=len(ends) if decode else 0,
         all_greedy=bool(temp) and all(t == 0 for t in temp),
+        unfiltered=all(k <= 0 for k in topk) and all(p >= 1.0 for p in topp),
     )
 
 

@@ -105,3 +105,16 @@ def test_host_cost_ab_compares_two_checkouts(tmp_path):
     bad = subprocess.run([sys.executable, str(root / "scripts" / "host_cost_ab.py"), str(tmp_path), "--against",
                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no minibatch package there" in bad.stderr
+
+
+def test_sampling_ab_times_both_samplers_and_finds_the_same_tokens(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "sampling_ab.py"), str(tmp_path), "--model",
+                        "random-llama", "--rows", "4", "--context", "20", "--rounds", "2", "--repeats", "3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "sampling_ab.json").read_text())
+    assert data["tokens_equal"] and set(data["median_ms"]) == {"sorted", "unsorted"}
+    assert "tokens equal: True" in r.stdout

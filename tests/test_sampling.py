@@ -94,3 +94,40 @@ def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
     assert torch.equal(fast, full)
     sched.add(Request(3, [7, 7], 4, SamplingParams(temperature=0.8, seed=1)))
     assert not build_batch(sched.schedule(), cache).all_greedy  # one sampled row: the full sampler
+
+
+def test_the_unsorted_path_picks_what_the_sorted_one_picks():
+    """Without top-k or top-p nothing needs the sorted vocabulary: the Gumbel-max over the vocabulary
+    as it is must give the sorted path's tokens (rows greedy and sampled, several temperatures)."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 2000, 300
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5])[torch.arange(n) % 5]
+    params = (temperature, torch.zeros(n, dtype=torch.long), torch.ones(n), torch.arange(n) * 7919, torch.arange(n) % 13)
+    full, fast = sample(logits, *params), sample(logits, *params, filtered=False)
+    assert torch.equal(full, fast)
+    assert (full != logits.argmax(-1)).sum() > n // 4  # most sampled rows did sample, not argmax
+
+
+def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
+    import dataclasses
+
+    from minibatch.batch import build_batch
+    from minibatch.requests import Request, SamplingParams
+    from minibatch.scheduler import Scheduler
+
+    cache = random_llama.make_cache(32, 4)
+    sched = Scheduler(cache.allocator, 64, 8)
+    for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8]]):
+        sched.add(Request(i, p, 4, SamplingParams(temperature=0.9, seed=i)))
+    batch = build_batch(sched.schedule(), cache)
+    assert batch.unfiltered and not batch.all_greedy
+    fast = random_llama.step(batch, cache)
+    full = random_llama.step(dataclasses.replace(batch, unfiltered=False), cache)
+    assert torch.equal(fast, full)
+    for filtering in (SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0.9, top_p=0.9)):
+        cache = random_llama.make_cache(32, 4)
+        sched = Scheduler(cache.allocator, 64, 8)
+        sched.add(Request(0, [1, 2, 3], 4, SamplingParams(temperature=0.9)))
+        sched.add(Request(1, [7, 7], 4, filtering))
+        assert not build_batch(sched.schedule(), cache).unfiltered  # one filtering row: the sorted path
