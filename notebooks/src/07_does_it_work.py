@@ -168,7 +168,10 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 #
 # 1. **Greedy rows need no sort.** The sampler sorts the 128k-token vocabulary of every row (for
 #    top-k/top-p) even when every row is greedy. The host knows when a batch is all greedy, so it
-#    marks it (`Batch.all_greedy`), and that step takes one argmax: -1.0 ms.
+#    marks it (`Batch.all_greedy`), and that step takes one argmax: -1.0 ms. Sampled rows need no
+#    sort either when no row of the batch uses top-k or top-p (`Batch.unfiltered`): the Gumbel-max
+#    picks the same token over the vocabulary in any order (-0.7 ms at 32 sampled rows,
+#    `scripts/sampling_ab.py`; not in this figure, whose rows are greedy).
 # 2. **Attention in one fused kernel.** The readable version (`einsum`) writes float32 scores for
 #    every head and key to memory and reads them back; `scaled_dot_product_attention` keeps them on
 #    chip. The trick: the 4 query heads that share a key/value head are handed to it as 4 query
