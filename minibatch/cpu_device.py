@@ -50,7 +50,8 @@ import torch
 from . import device_process
 from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 from .device_names import Names
-from .thread_device import SWITCH_INTERVAL, TORCH_THREADS
+from . import process_settings as settings
+from .thread_device import SWITCH_INTERVAL
 
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
 GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated
@@ -166,7 +167,7 @@ class CpuDevice(Device):
         child.close()
         # the host's torch work (building batches) gets one thread: a second one would wait for a core
         # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
-        TORCH_THREADS.hold(1)
+        settings.TORCH_THREADS.hold(1)
         self._holds_threads = True
         if not self._conn.poll(START_TIMEOUT):
             raise DeviceError(f"the device process did not start within {START_TIMEOUT:g} s")
@@ -236,7 +237,7 @@ class CpuDevice(Device):
         _open.discard(self)
         if self._holds_threads:  # first: a second interrupt during the grace period changes nothing
             self._holds_threads = False
-            TORCH_THREADS.release()
+            settings.TORCH_THREADS.release()
         proc = self._proc
         if proc.pid is None:  # never started
             self._conn.close()

@@ -36,7 +36,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -244,10 +243,9 @@ def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=Non
             except OSError:  # (a sandbox that forbids it) pinning is a speed-up, not a requirement
                 pass
         torch.set_num_threads(torch_threads)
-        from . import thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
+        from . import process_settings, thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
 
-        td.SWITCH = td.ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
-        td.TORCH_THREADS = td.ProcessSetting(torch.get_num_threads, torch.set_num_threads)
+        process_settings.start_afresh()
         td._open = weakref.WeakSet()
         side = DeviceSide(conn, switch_interval, torch_threads)
         side.reply(("k",))

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import weakref
 import time
@@ -48,37 +47,12 @@ from typing import Any, Callable
 
 import torch
 
+from . import process_settings as settings
 from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
 _open: "weakref.WeakSet[ThreadDevice]" = weakref.WeakSet()
-
-
-class ProcessSetting:
-    """A process-wide setting held while devices are open: the first holder sets it, the last one
-    restores what was there. Held and released under a C-level lock (no interrupt in between)."""
-
-    def __init__(self, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
-        self._get, self._set, self._lock = get, set_, threading.Lock()
-        self._holders, self._saved = 0, None
-
-    def hold(self, value) -> None:
-        with self._lock:
-            if self._holders == 0:
-                self._saved = self._get()
-                self._set(value)
-            self._holders += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0:
-                self._set(self._saved)
-
-
-SWITCH = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
-TORCH_THREADS = ProcessSetting(torch.get_num_threads, torch.set_num_threads)
 
 
 class _Work:
@@ -269,8 +243,8 @@ class ThreadDevice(Device):
             torch_threads = max(1, cores - 1)
         self._torch_threads = torch_threads
         with deferred_interrupts():  # settings held and the first worker started, or neither
-            SWITCH.hold(switch_interval)
-            TORCH_THREADS.hold(torch_threads)
+            settings.SWITCH.hold(switch_interval)
+            settings.TORCH_THREADS.hold(torch_threads)
             self._settings_held = True
             _open.add(self)
             self.default_stream = ThreadStream(self, "default", default=True)
@@ -311,8 +285,8 @@ class ThreadDevice(Device):
             # before waiting for the workers: a second interrupt during the wait leaves no setting changed
             if self._settings_held:
                 self._settings_held = False
-                SWITCH.release()
-                TORCH_THREADS.release()
+                settings.SWITCH.release()
+                settings.TORCH_THREADS.release()
         _open.discard(self)
         for s in list(self._streams.values()):
             if s._thread is not threading.current_thread():
