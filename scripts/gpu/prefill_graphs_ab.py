@@ -52,8 +52,9 @@ def run_point(spec: str, repeats: int, max_batch_tokens: int) -> dict:
                 res, _, out = bench.run_mode(engine, prompts, mode, new, cuda_graphs=graphs, **kw)
                 results[(graphs, mode)].append(res)
                 outs[(graphs, mode)] = out
+    row = {"model": name, "batch": batch, "prompt": prompt, "new": new, "arrivals": arrivals, "runs": {},
+           "environment": bench.environment(model)}
     del model
-    row = {"model": name, "batch": batch, "prompt": prompt, "new": new, "arrivals": arrivals, "runs": {}}
     for (graphs, mode), rs in results.items():
         label = f"{mode} {'all graphs' if graphs is True else 'decode graphs'}"
         row["runs"][label] = {
@@ -75,13 +76,15 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = bench.environment(minibatch.load_model("random-llama", device="cuda"))
-    env["command"] = " ".join(["python3", *sys.argv])
+    env: dict = {}  # the machine's, from the first point's model (each point keeps its own too)
     rows = []
     print(f"{'point':34}{'run':22}{'wall s':>8}{'busy':>8}{'prefill ms':>11}{'decode ms':>10}", flush=True)
     for spec in a.points.split(","):
         row = run_point(spec, a.repeats, a.max_batch_tokens)
         rows.append(row)
+        if not env:
+            env = {k: v for k, v in row["environment"].items() if k not in ("model", "dtype")}
+            env["command"] = " ".join(["python3", *sys.argv])
         base = {m: row["runs"][f"{m} decode graphs"]["wall_s"] for m in ("sync", "async")}
         for label, r in row["runs"].items():
             ratio = r["wall_s"] / base[label.split()[0]]
