@@ -14,7 +14,7 @@ from build_notebooks import parse  # noqa: E402
 # the first chapter that introduces each module (README's notebook map says the same)
 CHAPTER = {"model": 0, "tokenizer": 0, "engine": 0, "checks": 0, "memory": 0,
            "requests": 1, "kv_cache": 1, "scheduler": 1, "batch": 1, "decode_keys": 1, "sampling": 1, "sync_loop": 1,
-           "timeline": 1, "device": 2, "device_base": 2, "cpu_device": 2, "thread_device": 2,
+           "timeline": 1, "device": 2, "device_base": 2, "cpu_device": 2, "thread_device": 2, "process_settings": 2,
            "device_process": 2, "device_names": 2, "cuda_device": 2, "slots": 4, "step": 4,
            "carry_over": 5,
            "async_loop": 6, "bench": 7, "triton_decode": 7, "attention": 0}
