@@ -26,6 +26,11 @@ def test_graphs_same_tokens_as_eager_float32():
     sampled = dict(temperature=0.8, top_p=0.9, seed=4, **kw)
     assert (minibatch.generate(model, work, mode="async", **sampled)
             == minibatch.generate(model, work, mode="sync", cuda_graphs=False, **sampled))
+    # no top-k/top-p: the sampler skips the sort; a top-k as large as the vocabulary filters nothing but
+    # takes the sorted path, and must give the same tokens
+    unsorted = minibatch.generate(model, work, mode="async", temperature=0.8, seed=4, **kw)
+    assert unsorted == minibatch.generate(model, work, mode="sync", cuda_graphs=False, temperature=0.8,
+                                          top_k=model.vocab_size, seed=4, **kw)
 
 
 def test_prefill_and_mixed_steps_are_graphs_too():

@@ -131,3 +131,12 @@ def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
         sched.add(Request(0, [1, 2, 3], 4, SamplingParams(temperature=0.9)))
         sched.add(Request(1, [7, 7], 4, filtering))
         assert not build_batch(sched.schedule(), cache).unfiltered  # one filtering row: the sorted path
+
+
+def test_generate_gives_the_same_tokens_with_and_without_the_sort(random_llama):
+    """top_k equal to the vocabulary filters nothing but takes the sorted path: same tokens."""
+    work = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12, [3, 1]]
+    kw = dict(max_new_tokens=12, temperature=0.9, seed=5, max_batch_size=4, max_batch_tokens=16)
+    for mode in ("sync", "async"):
+        assert (minibatch.generate(random_llama, work, mode=mode, **kw)
+                == minibatch.generate(random_llama, work, mode=mode, top_k=random_llama.vocab_size, **kw))
