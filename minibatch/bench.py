@@ -245,6 +245,31 @@ def _time_ms(fn, device: torch.device, repeats: int) -> float:
     return _median(times)
 
 
+def replay_ms(replay, replays: int = 20) -> float:
+    """Mean milliseconds of replay() (a CUDA graph's replay) over `replays` calls between two CUDA
+    events, after three untimed calls. For the GPU scripts (scripts/gpu)."""
+    for _ in range(3):
+        replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def graph_replay_ms(fn, replays: int = 20) -> float:
+    """Mean milliseconds of fn() captured as one CUDA graph (after a warm-up call): what a piece of a
+    step costs with no launch overhead, as it runs inside a step's graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph.replay, replays)
+
+
 def measure_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 20) -> float:
     """Memory bandwidth in bytes/s: a large device-to-device copy, bytes read + written over its time.
 

@@ -301,6 +301,16 @@ def test_unknown_device_is_a_clear_error():
             get_device("cuda")
 
 
+def runs_as_threads(d) -> None:
+    """d is the threads backend, and works."""
+    with d:
+        assert d.kind == "cpu-threads"
+        x = d.empty((1,), torch.int64).fill_(1)
+        d.stream("a").launch(x.add_, 2)
+        d.synchronize(timeout=T)
+        assert x.tolist() == [3]
+
+
 def test_cpu_device_falls_back_to_threads_where_the_platform_cannot_fork(monkeypatch):
     """On Windows there is no fork (and no file descriptors over a Unix socket): the cpu device opens as
     threads and says so, instead of failing in the first cell of every notebook."""
@@ -309,12 +319,7 @@ def test_cpu_device_falls_back_to_threads_where_the_platform_cannot_fork(monkeyp
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     with pytest.warns(UserWarning, match="cannot fork.*runs as cpu-threads"):
         d = get_device("cpu", switch_interval=0.001)  # a cpu device's options go to the threads
-    with d:
-        assert d.kind == "cpu-threads"
-        x = d.empty((1,), torch.int64).fill_(1)
-        d.stream("a").launch(x.add_, 2)
-        d.synchronize(timeout=T)
-        assert x.tolist() == [3]
+    runs_as_threads(d)
 
 
 def test_the_package_imports_and_generates_where_unix_only_pieces_are_missing(tmp_path):
@@ -369,9 +374,4 @@ def test_cpu_device_falls_back_to_threads_where_cuda_has_started(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.warns(UserWarning, match="runs as cpu-threads"):
         d = get_device("cpu")
-    with d:
-        assert d.kind == "cpu-threads"
-        x = d.empty((1,), torch.int64).fill_(1)
-        d.stream("a").launch(x.add_, 2)
-        d.synchronize(timeout=T)
-        assert x.tolist() == [3]
+    runs_as_threads(d)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minibatch import triton_decode as td  # noqa: E402
-from minibatch.bench import measure_bandwidth  # noqa: E402
+from minibatch.bench import graph_replay_ms, measure_bandwidth  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
 from minibatch.kv_cache import PagedKVCache  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
@@ -76,23 +76,6 @@ def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int
     return out, splits
 
 
-def graph_ms(fn, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -124,7 +107,7 @@ def main() -> None:
                 err = ((got.float() - ref).norm() / ref.norm()).item()
                 if err > 1e-2:
                     raise AssertionError(f"{pt} {st}: output differs from the shipped setting's by {err:.2e}")
-                timed.append((graph_ms(run), st, splits, err))
+                timed.append((graph_replay_ms(run), st, splits, err))
             except Exception as e:  # noqa: BLE001 - a setting that needs more shared memory than an SM has
                 if type(e).__name__ != "OutOfResources":
                     raise

@@ -99,15 +99,7 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t
     graph = runner.graphs[args.key]
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / replays
+    ms = bench.replay_ms(graph.replay, replays)
     keys = host.kv_indices.shape[0] // host.decode_rows
     parts = kernel_breakdown(graph.replay) if kernels else None
     if parts:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minibatch.bench import measure_bandwidth  # noqa: E402
+from minibatch.bench import graph_replay_ms, measure_bandwidth  # noqa: E402
 
 # (name, N, K) per layer of the 8B Llama shape, and the LM head once
 SHAPES = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),
@@ -70,23 +70,6 @@ def triton_linear(x, w, y, block_n, block_k, warps, stages):
                                               num_warps=warps, num_stages=stages)
 
 
-def graph_ms(fn, repeats=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -118,7 +101,7 @@ def main() -> None:
                 for w, y in zip(ws, ys):
                     torch.mm(x, w.t(), out=y)
 
-            t_cublas = graph_ms(cublas)
+            t_cublas = graph_replay_ms(cublas, 10)
             best = None
             t0 = time.perf_counter()
             for c in configs:
@@ -131,7 +114,7 @@ def main() -> None:
                     err = ((ys[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     if err > 2e-2:
                         raise AssertionError(f"{name} M={M} {c}: relative error {err:.3g}")
-                    t = graph_ms(run)
+                    t = graph_replay_ms(run, 10)
                 except (triton.runtime.errors.OutOfResources if hasattr(triton.runtime, "errors") else RuntimeError):
                     continue
                 if best is None or t < best[0]:
