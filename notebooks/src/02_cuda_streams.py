@@ -115,7 +115,9 @@ print("both done in less than 0.15 s (not 0.2 s):", time.perf_counter() - t0 < 0
 #   processor beside the host: launched work is pickled and sent to it, it computes on another core
 #   while the host runs on, and it can only touch device memory (`dev.empty`) and pinned host memory
 #   (`dev.pin`), both shared memory. A launched function that appends to a host list would append to
-#   the device process's own copy of it.
+#   the device process's own copy of it. (The process is started by forking this one. Windows cannot
+#   fork: there `"cpu"` opens `"cpu-threads"` instead and says so in a warning; the README's common
+#   problems tell how to choose threads yourself.)
 # * `"cpu-threads"` runs each stream as a thread of *this* interpreter: launched work may touch any
 #   host object, like our `TinyStream`. Its catch comes in section 4.
 #
