@@ -40,6 +40,7 @@ import atexit
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import time
 import weakref
@@ -301,16 +302,31 @@ class CpuDevice(Device):
                 reduction.sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
         except BaseException as exc:
             self._fail_channel(exc)
-            raise
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise DeviceError(self._error[0]) from exc  # (a dead process: a broken pipe)
         self._drain()  # keep the reply channel from filling up while the host only launches
 
     def _fail_channel(self, exc: BaseException) -> None:
         """A message cut in half (an interrupt mid-send or mid-receive) or a dead process: sticky."""
         self._broken = True
-        if self._error is None:  # keeps no traceback: its frames would keep the run's buffers alive
-            why = "interrupted in the middle of a message" if isinstance(exc, KeyboardInterrupt) else \
-                f"{type(exc).__name__}: {exc}"
-            self._error = (f"the device process cannot be reached any more ({why}); open a new device", None)
+        if self._error is not None:
+            return
+        # keeps no traceback: its frames would keep the run's buffers alive
+        if isinstance(exc, KeyboardInterrupt):
+            self._error = ("the device process cannot be reached any more (interrupted in the middle of a "
+                           "message); open a new device", None)
+            return
+        def error(why: str) -> tuple:
+            return (f"the device process cannot be reached any more ({why}); open a new device. If it dies "
+                    "every time on this machine, MINIBATCH_CPU_DEVICE=cpu-threads runs the device as threads "
+                    "of this process instead (README, common problems)", None)
+
+        self._error = error(f"{type(exc).__name__}: {exc}")  # set first: an interrupt below changes nothing
+        self._proc.join(0.2)  # a process that died closed its end first: let it be reaped, for its exit code
+        code = self._proc.exitcode
+        if code is not None:
+            self._error = error(f"it died: {'killed by signal ' + _signal_name(-code) if code < 0 else f'exit code {code}'}")
 
     def _recv(self) -> None:
         try:
@@ -374,6 +390,13 @@ class CpuDevice(Device):
                 raise
             if ready:
                 self._recv()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
 
 
 @atexit.register

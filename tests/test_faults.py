@@ -1,4 +1,5 @@
-"""Faults: a failure inside device work, an interrupt mid-run, a KV cache too small for everyone at once.
+"""Faults: a failure inside device work, an interrupt mid-run, a KV cache too small for everyone at once,
+a device that stops answering, a device process that dies.
 
 Each ends with an exception (or the right tokens), no worker thread left behind, and a next call that
 gives the same tokens as an undisturbed run.
@@ -74,3 +75,43 @@ def test_a_device_that_stops_answering_times_out(random_llama, work):
     with pytest.raises(DeviceError, match="timed out"):
         minibatch.generate(random_llama, work, mode="async", inject_delays={"compute": 2.0}, timeout=0.2, **KW)
     assert not workers()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_device_process_that_dies_is_an_error_naming_it_and_the_next_call_works(random_llama, work, mode):
+    """The device process killed mid-run (as the out-of-memory killer or a crash in native code would):
+    the run ends with a DeviceError that says the process died and how, not a hang and not a bare
+    BrokenPipeError; the engine opens a new device for the next call."""
+    import os
+    import signal
+
+    if torch.cuda.is_initialized():
+        pytest.skip("this process has started CUDA: the cpu device runs as threads, there is no process to kill")
+    ref = minibatch.generate(random_llama, work, mode=mode, **KW)
+    with minibatch.Engine(random_llama) as engine:
+        assert engine.generate(work, mode=mode, **KW) == ref
+        pid = engine.dev._proc.pid
+        killed = {"done": False}
+        real_step = engine.step
+
+        def step_then_kill(*args, **kwargs):  # the host side of a step, then the device is gone
+            out = real_step(*args, **kwargs)
+            if not killed["done"]:
+                killed["done"] = True
+                os.kill(pid, signal.SIGKILL)
+            return out
+
+        engine.step = step_then_kill
+        with pytest.raises(DeviceError, match=r"died: killed by signal 9 \(SIGKILL\).*MINIBATCH_CPU_DEVICE"):
+            engine.generate(work, mode=mode, timeout=30, **KW)
+        del engine.step
+        assert engine.generate(work, mode=mode, **KW) == ref
+        assert engine.dev._proc.pid != pid
+    with pytest.raises(DeviceError, match="died"):  # a bare device: the first launch after the death says so
+        from minibatch.device import get_device
+
+        with get_device("cpu") as dev:
+            x = dev.empty((1,), torch.int64)
+            os.kill(dev._proc.pid, signal.SIGKILL)
+            dev._proc.join(5)
+            dev.stream("a").launch(x.add_, 1)
