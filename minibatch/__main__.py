@@ -180,7 +180,7 @@ def _chrome_trace(results, timelines, path) -> None:
 
 
 def bench_cmd(args) -> None:
-    from . import bench
+    from . import bench, floors
     from .engine import Engine
     from .model import load_model
 
@@ -248,10 +248,10 @@ def bench_cmd(args) -> None:
             print(f"{mode}: {same}/{len(o)} requests with the same tokens as {ref}")
     print(bench.summary(results))
     if args.floor:
-        floor = bench.weight_floor_ms(model, args.max_batch_size)
+        floor = floors.weight_floor_ms(model, args.max_batch_size)
         print(f"weight-streaming floor at batch {args.max_batch_size}: {floor:.2f} ms per step")
         workload["weight_floor_ms"] = floor
-        print("\n".join(bench.floor_report(model, workload, results)))
+        print("\n".join(floors.floor_report(model, workload, results)))
     if args.out:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
 

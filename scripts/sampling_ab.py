@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import minibatch  # noqa: E402
-from minibatch import bench  # noqa: E402
+from minibatch import bench, floors  # noqa: E402
 from minibatch.requests import Request, SamplingParams  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
 from minibatch.step import StepRunner  # noqa: E402
@@ -68,7 +68,7 @@ def timer(model, cache, batch, repeats: int):
     with torch.cuda.graph(graph):
         step()
 
-    return lambda: (bench.replay_ms(graph.replay, repeats), out.clone())
+    return lambda: (floors.replay_ms(graph.replay, repeats), out.clone())
 
 
 def main() -> None:

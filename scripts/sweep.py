@@ -9,7 +9,7 @@ decode steps is C. Each model is loaded once; the copy bandwidth is measured onc
 the device's); for each point both modes run the same prompts after an untimed warm-up of the same
 workload (which also captures the CUDA graphs). Per point it prints the async/sync wall ratio, the
 device-busy fraction of each mode, the median decode step (compute span, async), the full floor
-(bench.decode_floor_ms: weights + every row's keys and values at the measured bandwidth), their
+(floors.decode_floor_ms: weights + every row's keys and values at the measured bandwidth), their
 ratio, and whether async and sync gave the same tokens. Writes sweep.json after every point (a run
 cut short keeps what it measured) and sweep.png at the end.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minibatch  # noqa: E402
-from minibatch import bench  # noqa: E402
+from minibatch import bench, floors  # noqa: E402
 
 GPU = dict(models="qwen3-0.6b-shape,llama3-1b-shape,llama3-8b-shape", batches="1,8,32,128", contexts="512,2048",
            max_new_tokens=64)
@@ -46,7 +46,7 @@ def sweep(models, batches, contexts, device, max_new_tokens, out: Path | None = 
         # (this point's sync and async): the KV caches of the large points are tens of GB each
         engine = minibatch.Engine(model, keep=2)
         env = bench.environment(model)
-        bandwidth = bench.measure_bandwidth(model.device)
+        bandwidth = floors.measure_bandwidth(model.device)
         for b in batches:
             for ctx in contexts:
                 prompt_len = max(1, ctx - max_new_tokens // 2)
@@ -57,7 +57,7 @@ def sweep(models, batches, contexts, device, max_new_tokens, out: Path | None = 
                     bench.run_mode(engine, prompts, mode, max_new_tokens, **kw)  # warm-up (graph captures)
                     res[mode], _, outs[mode] = bench.run_mode(engine, prompts, mode, max_new_tokens, **kw)
                 ratio = res["async"].wall_s / res["sync"].wall_s
-                floor = bench.decode_floor_ms(model, b, ctx, bandwidth)
+                floor = floors.decode_floor_ms(model, b, ctx, bandwidth)
                 step = res["async"].decode_compute_ms
                 same = outs["sync"] == outs["async"]
                 print(f"{name:18}{b:>6}{ctx:>6}{ratio:>11.2f}{res['sync'].device_busy:>10.1%}"
@@ -67,7 +67,7 @@ def sweep(models, batches, contexts, device, max_new_tokens, out: Path | None = 
                              "max_new_tokens": max_new_tokens, "environment": env,
                              **{mode: asdict(r) for mode, r in res.items()}, "wall_ratio": ratio,
                              "bandwidth_gbs": bandwidth / 1e9, "floor_ms": floor,
-                             "weight_floor_ms": bench.decode_floor_ms(model, 0, 0, bandwidth),
+                             "weight_floor_ms": floors.decode_floor_ms(model, 0, 0, bandwidth),
                              "step_over_floor": step / floor,
                              "sync_step_over_floor": res["sync"].decode_compute_ms / floor, "same_tokens": same})
                 if out is not None:  # after every point: a run cut short keeps what it measured

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from minibatch import bench
+from minibatch import floors
 
 
 @pytest.fixture(scope="module")
@@ -18,23 +18,23 @@ def model():
 
 def test_decode_floor_counts_weights_and_every_rows_keys(model):
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4  # float32
-    assert bench.kv_bytes_per_token(model) == per_token
-    w = bench.weight_bytes(model)
+    assert floors.kv_bytes_per_token(model) == per_token
+    w = floors.weight_bytes(model)
     embed = model.hf.get_input_embeddings().weight
     tied = model.hf.get_output_embeddings().weight is embed
     all_params = sum(p.numel() * p.element_size() for p in model.hf.parameters())
     assert w == (all_params if tied else all_params - embed.numel() * embed.element_size())
     bw = 1e9  # bytes/s
-    assert bench.decode_floor_ms(model, 0, 0, bw) == pytest.approx(w / bw * 1e3)
-    assert bench.decode_floor_ms(model, 8, 100, bw) == pytest.approx((w + 8 * 100 * per_token) / bw * 1e3)
+    assert floors.decode_floor_ms(model, 0, 0, bw) == pytest.approx(w / bw * 1e3)
+    assert floors.decode_floor_ms(model, 8, 100, bw) == pytest.approx((w + 8 * 100 * per_token) / bw * 1e3)
     params = w // 4
-    assert bench.prefill_floor_ms(model, 64, 1e12) == pytest.approx(2 * params * 64 / 1e12 * 1e3)
+    assert floors.prefill_floor_ms(model, 64, 1e12) == pytest.approx(2 * params * 64 / 1e12 * 1e3)
 
 
 def test_measured_rates_are_plausible():
-    bw = bench.measure_bandwidth("cpu", nbytes=2**22, repeats=3)
+    bw = floors.measure_bandwidth("cpu", nbytes=2**22, repeats=3)
     assert 1e8 < bw < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s
-    rate = bench.measure_matmul_rate("cpu", torch.float32, n=128, repeats=3)
+    rate = floors.measure_matmul_rate("cpu", torch.float32, n=128, repeats=3)
     assert 1e7 < rate < 1e15
 
 

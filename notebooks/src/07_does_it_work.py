@@ -129,7 +129,7 @@ print(f"1024 new tokens: sync {s_['wall_s']:.1f} s, busy {s_['device_busy']:.0%}
 #
 # A decode step must at least read every weight once. Pushing a batch of 32 rows through every
 # linear layer of the model, all captured in one CUDA graph, is the *weight-streaming floor*
-# (`bench.weight_floor_ms`). We measured a decode step in several variants, each captured in a CUDA
+# (`floors.weight_floor_ms`). We measured a decode step in several variants, each captured in a CUDA
 # graph (`scripts/gpu/step_ab.py`, 32 rows, 383 tokens of context each):
 
 # %%
@@ -196,7 +196,7 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 #
 # The "weight floor" above is too kind at large batch and long context: a step must also read every
 # row's keys and values. The *full floor* counts both, at the copy bandwidth measured on the same GPU
-# (`bench.decode_floor_ms`). `scripts/gpu/floor_matrix.py` builds one decode step at exactly `batch`
+# (`floors.decode_floor_ms`). `scripts/gpu/floor_matrix.py` builds one decode step at exactly `batch`
 # rows of `context` tokens, runs it through the engine's own step runner and CUDA graph, and times
 # it, eager (the default) and compiled, next to that floor and to the matrix products alone:
 

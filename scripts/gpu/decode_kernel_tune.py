@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minibatch import triton_decode as td  # noqa: E402
-from minibatch.bench import graph_replay_ms, measure_bandwidth  # noqa: E402
+from minibatch.floors import graph_replay_ms, measure_bandwidth  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
 from minibatch.kv_cache import PagedKVCache  # noqa: E402
 from minibatch.requests import Request  # noqa: E402

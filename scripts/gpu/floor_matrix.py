@@ -13,9 +13,9 @@ at large batch x context most steps are prefill. Here every point is one decode 
 * the step's batch is built and run by the engine's own StepRunner, IO slot and CUDA graph (what
   `generate` does for a decode step), greedy sampling;
 * the graph is replayed `--replays` times between two CUDA events: mean milliseconds per step;
-* floor: `bench.decode_floor_ms`, the weights plus every row's keys and values at the copy bandwidth
+* floor: `floors.decode_floor_ms`, the weights plus every row's keys and values at the copy bandwidth
   measured in the same process; beside it "linear": every Linear layer of the model once at that
-  batch, in one CUDA graph (`bench.weight_floor_ms`), what the matrix products alone take.
+  batch, in one CUDA graph (`floors.weight_floor_ms`), what the matrix products alone take.
 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
-from minibatch import bench  # noqa: E402
+from minibatch import bench, floors  # noqa: E402
 from minibatch.device import get_device  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
 from minibatch.scheduler import Scheduler  # noqa: E402
@@ -99,7 +99,7 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t
     graph = runner.graphs[args.key]
-    ms = bench.replay_ms(graph.replay, replays)
+    ms = floors.replay_ms(graph.replay, replays)
     keys = host.kv_indices.shape[0] // host.decode_rows
     parts = kernel_breakdown(graph.replay) if kernels else None
     if parts:
@@ -135,7 +135,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = minibatch.load_model(args.model, device="cuda")
-    bandwidth = bench.measure_bandwidth(model.device)
+    bandwidth = floors.measure_bandwidth(model.device)
     env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
            "command": "python3 scripts/gpu/floor_matrix.py " + " ".join(sys.argv[1:]), "compile_mode": args.compile_mode,
            "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention}
@@ -149,10 +149,10 @@ def main() -> None:
           flush=True)
     with get_device("cuda") as dev:
         for batch in batches:
-            linear = bench.weight_floor_ms(model, batch)
+            linear = floors.weight_floor_ms(model, batch)
             for context in contexts:
-                floor = bench.decode_floor_ms(model, batch, context + 1, bandwidth)
-                kv_floor = floor - bench.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
+                floor = floors.decode_floor_ms(model, batch, context + 1, bandwidth)
+                kv_floor = floor - floors.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
                 row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
                     r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,

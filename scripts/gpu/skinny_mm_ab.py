@@ -15,7 +15,7 @@ in the L2 cache), in one CUDA graph per variant:
 
 and prints each shape's times and achieved bandwidth, then the whole model's Linear layers (sum over
 shapes, per row count) for both, against the weight floor at the copy bandwidth measured here
-(bench.measure_bandwidth, as the bench's floor). Two more shapes are timed for comparison, not as
+(floors.measure_bandwidth, as the bench's floor). Two more shapes are timed for comparison, not as
 layers of the model: q, k and v as one product (N = 6144) and gate and up as one (N = 28672), which
 is what engines that merge those projections run; the totals say what merging would give.
 Checks that the Triton result equals cuBLAS's within bf16 rounding. Writes skinny_mm.json.
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minibatch.bench import graph_replay_ms, measure_bandwidth  # noqa: E402
+from minibatch.floors import graph_replay_ms, measure_bandwidth  # noqa: E402
 
 # (name, N, K) per layer of the 8B Llama shape, and the LM head once
 SHAPES = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),

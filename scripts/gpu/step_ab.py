@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
-from minibatch import bench  # noqa: E402
+from minibatch import floors  # noqa: E402
 from minibatch.batch import build_batch  # noqa: E402
 from minibatch.step import ROW_BUCKETS  # noqa: E402
 from minibatch.requests import Request  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, model {model.name} {model.dtype}, batch {B}")
     if "--compile" in sys.argv:
         return compiled(model)
-    say(f"weight floor at batch {B}: {bench.weight_floor_ms(model, B):.2f} ms")
+    say(f"weight floor at batch {B}: {floors.weight_floor_ms(model, B):.2f} ms")
     results = {}
     for ctx in (383, 1023):
         cache, plan = decode_setup(model, ctx)
