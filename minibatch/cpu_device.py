@@ -312,21 +312,16 @@ class CpuDevice(Device):
         self._broken = True
         if self._error is not None:
             return
-        # keeps no traceback: its frames would keep the run's buffers alive
+        # the error keeps no traceback: its frames would keep the run's buffers alive
         if isinstance(exc, KeyboardInterrupt):
-            self._error = ("the device process cannot be reached any more (interrupted in the middle of a "
-                           "message); open a new device", None)
+            self._error = (_unreachable("interrupted in the middle of a message"), None)
             return
-        def error(why: str) -> tuple:
-            return (f"the device process cannot be reached any more ({why}); open a new device. If it dies "
-                    "every time on this machine, MINIBATCH_CPU_DEVICE=cpu-threads runs the device as threads "
-                    "of this process instead (README, common problems)", None)
-
-        self._error = error(f"{type(exc).__name__}: {exc}")  # set first: an interrupt below changes nothing
+        self._error = (_unreachable(f"{type(exc).__name__}: {exc}", hint=True), None)  # first: an interrupt
         self._proc.join(0.2)  # a process that died closed its end first: let it be reaped, for its exit code
         code = self._proc.exitcode
         if code is not None:
-            self._error = error(f"it died: {'killed by signal ' + _signal_name(-code) if code < 0 else f'exit code {code}'}")
+            how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+            self._error = (_unreachable(f"it died: {how}", hint=True), None)
 
     def _recv(self) -> None:
         try:
@@ -390,6 +385,12 @@ class CpuDevice(Device):
                 raise
             if ready:
                 self._recv()
+
+
+def _unreachable(why: str, hint: bool = False) -> str:
+    tail = (" If it dies every time on this machine, MINIBATCH_CPU_DEVICE=cpu-threads runs the device as "
+            "threads of this process instead (README, common problems)") if hint else ""
+    return f"the device process cannot be reached any more ({why}); open a new device.{tail}"
 
 
 def _signal_name(number: int) -> str:

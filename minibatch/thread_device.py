@@ -288,7 +288,7 @@ class ThreadDevice(Device):
                 settings.SWITCH.release()
                 settings.TORCH_THREADS.release()
         _open.discard(self)
-        for s in list(self._streams.values()):
+        for s in list(self._workers):  # every started worker, named or not
             if s._thread is not threading.current_thread():
                 s._thread.join(timeout=join_timeout)  # a running fn cannot be interrupted
 
