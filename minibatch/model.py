@@ -92,6 +92,12 @@ class Model:
         # and build a [T, T] mask that paged_attention never reads. A mask that is already 4-D is
         # passed through as it is, so this one-element tensor stands in for it.
         self._mask_stand_in = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        if cuda:  # sibling projections' weights in one tensor each, for compiled steps (siblings.py); the
+            # values do not change, and packing now, before any CUDA graph is captured, keeps every
+            # graph pointing at weights that stay where they are
+            from . import siblings
+
+            siblings.pack(self.hf)
 
     def make_cache(self, num_blocks: int, block_size: int, alloc=None) -> PagedKVCache:
         """A paged KV cache for this model; `alloc(shape, dtype)` gives its zeroed tensors (default: on

@@ -78,9 +78,12 @@ class CompiledStep:
     the eager step's (other kernels round differently): compare compiled runs with compiled runs.
     """
 
-    def __init__(self, model, mode: str | None = None) -> None:
+    def __init__(self, model, mode: str | None = None, merge: bool = True) -> None:
         self.model = model
         self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
+        # one matrix product for sibling projections (q/k/v, gate/up) whose weights Model stacked: siblings.py
+        self.merge = merge
+        self.merged: list[int] = []  # per compile: how many linear calls went into a sibling's
         self.attention = model.decode_attention
         self.shapes: set[tuple] = set()
         self._fn = None
@@ -107,7 +110,12 @@ class CompiledStep:
             for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
                 if hasattr(dynamo.config, name):  # one compile per shape: room for a few dozen
                     setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
-            self._fn = torch.compile(self.model.forward_sample, dynamic=False, mode=self.mode)
+            if self.merge:
+                from .siblings import backend
+
+                self._fn = torch.compile(self.model.forward_sample, dynamic=False, backend=backend(self.mode, self.merged))
+            else:
+                self._fn = torch.compile(self.model.forward_sample, dynamic=False, mode=self.mode)
         with torch.inference_mode():
             return self._fn(batch, cache, self.attention)
 

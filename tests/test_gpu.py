@@ -5,7 +5,7 @@ import torch
 
 import minibatch
 from minibatch.requests import Request
-from minibatch.step import KEY_BUCKETS, TOKEN_BUCKETS, pool_memory
+from minibatch.step import KEY_BUCKETS, TOKEN_BUCKETS, CompiledStep, pool_memory
 from minibatch.timeline import Timeline
 
 pytestmark = pytest.mark.cuda
@@ -73,8 +73,16 @@ def test_compiled_decode_steps_give_the_same_tokens():
     work = torch.randint(0, model.vocab_size, (8, 24), generator=g).tolist()  # one decode shape: one compile
     kw = dict(max_new_tokens=16, max_batch_size=8, max_batch_tokens=256)
     eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
-    assert minibatch.generate(model, work, mode="sync", compile=True, **kw) == eager
-    assert minibatch.generate(model, work, mode="async", compile=True, **kw) == eager
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="sync", compile=True, **kw) == eager
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+        # q/k/v and gate/up ran as one product each (siblings.py): 3 of every layer's 7 linear calls merged
+        assert max(engine._compiled.merged, default=0) == 3 * model.num_layers
+    unmerged = CompiledStep(model, merge=False)
+    with minibatch.Engine(model) as engine:
+        engine._compiled = unmerged
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+    assert unmerged.shapes and not unmerged.merged
 
 
 def test_one_compile_serves_every_context_length_with_the_triton_attention():

@@ -17,7 +17,7 @@ CHAPTER = {"model": 0, "tokenizer": 0, "engine": 0, "checks": 0, "memory": 0,
            "timeline": 1, "device": 2, "device_base": 2, "cpu_device": 2, "thread_device": 2, "process_settings": 2,
            "device_process": 2, "device_names": 2, "cuda_device": 2, "slots": 4, "step": 4,
            "carry_over": 5,
-           "async_loop": 6, "bench": 7, "floors": 7, "triton_decode": 7, "attention": 0}
+           "async_loop": 6, "bench": 7, "floors": 7, "triton_decode": 7, "siblings": 7, "attention": 0}
 # the notebooks built from a source; copies of them (my_00.ipynb, 00_welcome-Copy1.ipynb) are not tests
 NOTEBOOKS = sorted(ROOT / "notebooks" / f"{src.stem}.ipynb" for src in (ROOT / "notebooks" / "src").glob("*.py"))
 

@@ -1,7 +1,7 @@
 """The decode step against its full floor, at fixed batch sizes and context lengths (GPU only).
 
     python3 scripts/gpu/floor_matrix.py OUTDIR [--model llama3-8b-shape] [--batches 1,8,32,128]
-                                               [--contexts 512,2048] [--compile] [--kernels [top]]
+                                               [--contexts 512,2048] [--compile [--unmerged]] [--kernels [top]]
 
 Why not read the step off a generate run: there the batch changes as requests arrive and finish, and
 at large batch x context most steps are prefill. Here every point is one decode step at exactly
@@ -19,7 +19,8 @@ at large batch x context most steps are prefill. Here every point is one decode 
 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
-shapes; coarser key buckets), with the seconds its first call took (compilation) beside it.
+shapes; coarser key buckets), with the seconds its first call took (compilation) beside it, and with
+--unmerged also "unmerged", the same without one product for sibling projections (siblings.py).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -123,6 +124,9 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode for --compile (e.g. max-autotune-no-cudagraphs: Inductor times "
                          "its own matrix-product kernels against cuBLAS for each shape; much longer compiles)")
+    ap.add_argument("--unmerged", action="store_true",
+                    help="with --compile, also time the compiled step without merging sibling projections "
+                         "(siblings.py): the two side by side")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -144,6 +148,8 @@ def main() -> None:
     paths = {"default": None}
     if args.compile:
         paths["compile"] = CompiledStep(model, args.compile_mode)
+        if args.unmerged:
+            paths["unmerged"] = CompiledStep(model, args.compile_mode, merge=False)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
           flush=True)

@@ -1,0 +1,150 @@
+"""Sibling projections as one matrix product in compiled steps, without touching the model's modules.
+
+Why: in a decode step a Linear layer costs the time to stream its weight from memory, and small
+weights stream slowly. In an 8B Llama the k and v projections (4096 x 1024) reach about a third of
+the bandwidth the MLP's big matrices reach (scripts/gpu/skinny_mm_ab.py, BENCHMARKS.md): too little
+work per kernel to keep the whole GPU reading. q, k and v read the same input, as do the MLP's gate
+and up; one product over their stacked weights reads the same bytes in fewer, larger kernels.
+
+How, in two parts, neither of which changes what the model computes:
+
+1. `pack(model)`, when a model is set up on a GPU: in every module that has them, the sibling
+   Linear layers of `GROUPS` (same input size, dtype and device; biases on all or none) get their
+   weights (and biases) stored as consecutive rows of one tensor, each weight a view of its rows.
+   Same values, same shapes and strides: eager steps, and the CUDA graphs captured from them, run
+   exactly as before.
+2. `merge(gm, example_inputs)`, a pass over the graph torch.compile captures (CompiledStep runs it
+   before Inductor): `linear` calls that share their input and whose weights are consecutive views
+   of one storage become one `linear` over the whole block, and each original output is a slice of
+   its result. Inductor then compiles the graph as usual.
+
+The module code is transformers' throughout; only the compiled graph and where the weights sit
+differ. Bits: a product over the stacked weight may sum in another order than the separate ones,
+so compiled bf16 tokens can differ from unmerged compiled ones (compare compiled with compiled,
+as CompiledStep says); float32 agrees to rounding (tests).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+#: names of sibling Linear layers that read the same input, in the architectures transformers ships
+#: (Llama, Mistral, Qwen2/3, Gemma: attention's q/k/v, the gated MLP's gate/up)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _stack(tensors: list[torch.Tensor]) -> None:
+    """Store `tensors` (rows of equal width) as consecutive rows of one new tensor, each a view of it."""
+    block = torch.cat([t.detach() for t in tensors])
+    row = 0
+    for t in tensors:
+        t.data = block[row: row + t.shape[0]]
+        row += t.shape[0]
+
+
+def pack(model: torch.nn.Module) -> int:
+    """Stack each module's sibling projections (GROUPS) into one tensor; returns how many groups."""
+    packed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for names in GROUPS:
+                layers = [getattr(module, n, None) for n in names]
+                if not all(isinstance(m, torch.nn.Linear) for m in layers):
+                    continue
+                weights = [m.weight for m in layers]
+                biases = [m.bias for m in layers]
+                if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+                    continue
+                if any(b is None for b in biases) and not all(b is None for b in biases):
+                    continue
+                if _consecutive(weights):
+                    continue  # packed already
+                _stack(weights)
+                if biases[0] is not None:
+                    _stack(biases)
+                packed += 1
+    return packed
+
+
+def _consecutive(tensors: list[torch.Tensor]) -> bool:
+    """Are these contiguous tensors stored one right after the other in one storage?"""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for t in tensors):
+        return False
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return False
+        offset += t.numel()
+    return True
+
+
+def _block(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The view that spans consecutive `tensors` (rows of equal width): [all their rows, width]."""
+    first = tensors[0].detach()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """Replace `linear` calls that share an input and whose weights are stacked (`pack`) by one call
+    and slices of its output; returns how many calls were merged into others."""
+    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple, list] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _LINEAR or len(node.args) < 2:
+            continue
+        x, w = node.args[:2]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        weight, bias = real.get(w), None if b is None else real.get(b)
+        if not isinstance(weight, torch.Tensor) or (b is not None and not isinstance(bias, torch.Tensor)):
+            continue
+        groups[(x, weight.untyped_storage().data_ptr(), b is None)].append((node, weight, bias))
+    merged = 0
+    for members in groups.values():
+        members.sort(key=lambda m: m[1].storage_offset())
+        weights, biases = [m[1] for m in members], [m[2] for m in members]
+        if len(members) < 2 or not _consecutive(weights) or (biases[0] is not None and not _consecutive(biases)):
+            continue
+        name = f"_minibatch_stacked_{merged}"
+        with torch.no_grad():
+            gm.register_buffer(name + "_w", _block(weights))
+            if biases[0] is not None:
+                gm.register_buffer(name + "_b", _block(biases))
+        with gm.graph.inserting_before(min((m[0] for m in members), key=order.__getitem__)):
+            args = [members[0][0].args[0], gm.graph.get_attr(name + "_w")]
+            if biases[0] is not None:
+                args.append(gm.graph.get_attr(name + "_b"))
+            whole = gm.graph.call_function(torch._C._nn.linear, tuple(args))
+        start = 0
+        for node, weight, _ in members:
+            with gm.graph.inserting_after(whole):
+                part = gm.graph.call_function(torch.narrow, (whole, -1, start, weight.shape[0]))
+            node.replace_all_uses_with(part)
+            gm.graph.erase_node(node)
+            start += weight.shape[0]
+        merged += len(members) - 1
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
+    return merged
+
+
+def backend(mode: str | None = None, merged: list | None = None):
+    """A torch.compile backend: `merge`, then Inductor with the options of torch.compile's `mode`.
+    Each compile appends to `merged` how many linear calls it merged into others."""
+    def compile_merged(gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        n = merge(gm, example_inputs)
+        if merged is not None:
+            merged.append(n)
+        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode, dynamic=False) if mode else None)
+
+    return compile_merged
