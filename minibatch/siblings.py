@@ -83,11 +83,11 @@ def _consecutive(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _block(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The view that spans consecutive `tensors` (rows of equal width): [all their rows, width]."""
-    first = tensors[0].detach()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+def _whole(gm: torch.fx.GraphModule, node: torch.fx.Node, tensors: list[torch.Tensor]) -> torch.fx.Node:
+    """A graph node viewing consecutive `tensors` (rows of equal width, the first at offset 0) as one
+    [all their rows, width] tensor, through `node`, the first of them."""
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    return gm.graph.call_function(torch.as_strided, (node, shape, tensors[0].stride(), 0))
 
 
 def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
@@ -109,17 +109,18 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     for members in groups.values():
         members.sort(key=lambda m: m[1].storage_offset())
         weights, biases = [m[1] for m in members], [m[2] for m in members]
-        if len(members) < 2 or not _consecutive(weights) or (biases[0] is not None and not _consecutive(biases)):
+        if (len(members) < 2 or not _consecutive(weights) or weights[0].storage_offset() != 0
+                or (biases[0] is not None and (not _consecutive(biases) or biases[0].storage_offset() != 0))):
             continue
-        name = f"_minibatch_stacked_{merged}"
-        with torch.no_grad():
-            gm.register_buffer(name + "_w", _block(weights))
+        first, at = members[0][0], min((m[0] for m in members), key=order.__getitem__)
+        if any(order.get(a, len(order)) >= order[at] for a in first.args[1:] if isinstance(a, torch.fx.Node)):
+            continue  # (the first sibling's weight must exist where the merged call goes)
+        with gm.graph.inserting_before(at):
+            # the stacked weight, read through the first sibling's: the same storage from offset 0 on, so
+            # no new tensor enters the graph (the compiler's inputs stay the model's own parameters)
+            args = [first.args[0], _whole(gm, first.args[1], weights)]
             if biases[0] is not None:
-                gm.register_buffer(name + "_b", _block(biases))
-        with gm.graph.inserting_before(min((m[0] for m in members), key=order.__getitem__)):
-            args = [members[0][0].args[0], gm.graph.get_attr(name + "_w")]
-            if biases[0] is not None:
-                args.append(gm.graph.get_attr(name + "_b"))
+                args.append(_whole(gm, first.args[2] if len(first.args) > 2 else first.kwargs["bias"], biases))
             whole = gm.graph.call_function(torch._C._nn.linear, tuple(args))
         start = 0
         for node, weight, _ in members:
