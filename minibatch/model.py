@@ -4,6 +4,9 @@ We do not touch the model's architecture or kernels: importing this module regis
 function with transformers under the name "minibatch_paged" (attention.py), and `load_model` sets
 every loaded model to use it. The batch's metadata reaches that function as an extra keyword
 argument of the model's forward (`minibatch=...`, see `Model._forward`).
+On a GPU one more thing happens at set-up: the weights of sibling projections (q/k/v, gate/up) are
+moved into one tensor each, values unchanged, so that compiled steps can run them as one matrix
+product (siblings.py).
 
 Built-in names for `load_model`:
   "tiny"                 a small byte-level Llama trained on Python's own help text (ships in the repo)

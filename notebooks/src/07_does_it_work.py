@@ -198,47 +198,52 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # row's keys and values. The *full floor* counts both, at the copy bandwidth measured on the same GPU
 # (`floors.decode_floor_ms`). `scripts/gpu/floor_matrix.py` builds one decode step at exactly `batch`
 # rows of `context` tokens, runs it through the engine's own step runner and CUDA graph, and times
-# it, eager (the default) and compiled, next to that floor and to the matrix products alone:
+# it, eager (the default) and compiled, next to that floor and to the matrix products alone. The
+# compiled step runs twice: as `compile=True` runs it, with q/k/v and gate/up merged into one product
+# each (`minibatch/siblings.py`, explained after the next figure), and without that merge:
 
 # %%
+RUN = DATA + "runs/gpu_merged_projections_2026-12-01/"
 matrix = []
-for line in open(DATA + "gpu_floor_matrix_2026-12-01.log"):
-    f = line.split()
-    if len(f) >= 9 and f[0].isdigit():  # batch context floor linear default x compile x ...
-        matrix.append({"batch": int(f[0]), "context": int(f[1]), "floor": float(f[2]), "linear": float(f[3]),
-                       "default": float(f[4]), "compile": float(f[6])})
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+for part in ("floor_matrix_batches_1_32.json", "floor_matrix_batches_8_128.json"):
+    for p in json.load(open(RUN + part))["points"]:
+        matrix.append({"batch": p["batch"], "context": p["context"], "floor": p["floor_ms"], "linear": p["linear_ms"],
+                       "default": p["default"]["ms"], "compile": p["compile"]["ms"], "unmerged": p["unmerged"]["ms"]})
+matrix.sort(key=lambda m: (m["batch"], m["context"]))
+labels = {"compile": "compiled", "unmerged": "compiled, products not merged", "linear": "matrix products alone",
+          "floor": "full floor (bytes / bandwidth)"}
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
 for ax, context in zip(axes, (512, 2048)):
     pts = [m for m in matrix if m["context"] == context]
     x = range(len(pts))
-    for key, style in (("default", "o-"), ("compile", "s-"), ("linear", "x:"), ("floor", "k--")):
-        ax.plot(x, [m[key] for m in pts], style, label={"linear": "matrix products alone",
-                                                        "floor": "full floor (bytes / bandwidth)"}.get(key, key))
+    for key, style in (("default", "o-"), ("unmerged", "s:"), ("compile", "s-"), ("linear", "x:"), ("floor", "k--")):
+        ax.plot(x, [m[key] for m in pts], style, label=labels.get(key, key))
     for i, m in enumerate(pts):
         ax.annotate(f"{m['compile'] / m['floor']:.2f}x", (i, m["compile"]), textcoords="offset points",
-                    xytext=(5, 5), ha="left", fontsize=8, color="tab:orange")
+                    xytext=(5, -12), ha="left", fontsize=8, color="tab:green")
     ax.set_xticks(list(x), [str(m["batch"]) for m in pts])
     ax.set_xlabel(f"batch (rows), context {context}")
     ax.set_title(f"8B shape, context {context}", fontsize=10)
 axes[0].set_ylabel("decode step, ms (H200)")
-axes[0].legend(fontsize=8)
+axes[0].legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/07_floor_matrix_gpu.png", dpi=110)
-print(f"{'batch':>5} {'context':>7} {'floor':>6} {'default':>8} {'x':>5} {'compiled':>8} {'x':>5}")
+print(f"{'batch':>5} {'context':>7} {'floor':>6} {'default':>8} {'x':>5} {'compiled':>8} {'x':>5} {'not merged':>10} {'x':>5}")
 for m in matrix:
     print(f"{m['batch']:5d} {m['context']:7d} {m['floor']:6.2f} {m['default']:8.2f} {m['default'] / m['floor']:5.2f}"
-          f" {m['compile']:8.2f} {m['compile'] / m['floor']:5.2f}")
+          f" {m['compile']:8.2f} {m['compile'] / m['floor']:5.2f} {m['unmerged']:10.2f} {m['unmerged'] / m['floor']:5.2f}")
 
 # %% [markdown]
-# How to read it. The compiled step is 1.2-1.5x its full floor, the eager one 1.5-2.1x. Two things
-# keep both above the floor:
+# How to read it. The compiled step is 1.16-1.41x its full floor, 1.20-1.51x without the merge; the
+# eager one 1.44-2.05x. Two things keep them above the floor:
 #
-# * **The matrix products themselves** (dotted line): at 1 to 32 rows, cuBLAS streams the weights at
-#   about 80% of the copy's bandwidth, so the products alone are ~1.25x the weights' share of the
-#   floor. Nothing in the step's Python can change that; the next figure shows what could.
+# * **The matrix products themselves** (dotted line, every Linear layer as the model calls it): at 1
+#   to 32 rows cuBLAS streams the weights at about 80% of the copy's bandwidth, so the products alone
+#   are ~1.25x the weights' share of the floor. The next figure shows which products lose the time,
+#   and what the merge changes.
 # * **Small kernels.** A step of 32 layers is ~1500 kernels eagerly: RMSNorm, rotary embedding, the
 #   MLP's activation, residual adds, each a few microseconds plus a gap. That is the gap between the
-#   eager and the compiled line, 1.4-2.8 ms; `torch.compile` fuses them (about 30 s of
+#   eager and the compiled lines, 1.4-2.8 ms; `torch.compile` fuses them (about 30-40 s of
 #   compilation per row count, reported by the script).
 #
 # Where the context is long and the batch large (128 x 2048: 34 GB of keys and values per step), the
@@ -279,11 +284,16 @@ for rows in mm["rows"]:
 # bandwidth. The small ones do not: k and v are 8 MB each, and their product is over before the GPU's
 # 132 multiprocessors are all streaming; q and o (32 MB) do better but not well. Stacking q, k and v
 # into one weight makes one product big enough, and the Linear layers go from 1.22-1.38x their floor
-# to 1.07-1.25x: half a millisecond per step at every batch size. That is what production engines do
-# (vLLM's model code has one `qkv_proj` and one `gate_up_proj` per layer). minibatch does not: it
-# plugs into transformers' models through the attention interface only, and merging weights means
-# rewriting the model's modules. A hand-written Triton kernel for few-row products, the other idea
-# tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
+# to 1.07-1.25x: half a millisecond per step at every batch size. Production engines write it into
+# their model code (vLLM's has one `qkv_proj` and one `gate_up_proj` per layer). minibatch keeps
+# transformers' modules as they are and does it in two steps instead (`minibatch/siblings.py`): when a
+# model is set up on a GPU, the weights of q, k and v (and of gate and up) are moved into one tensor,
+# each weight a view of its rows, so nothing the modules compute changes; and the compiled step's graph
+# gets a pass, before Inductor sees it, that turns three `linear` calls on the same input and on
+# neighbouring weights into one call and three slices of its output. In the figure above that is the
+# gap between the two compiled lines: 0.46-0.74 ms per step, as the product timings predicted. The eager
+# step cannot have it: its products are the modules' own calls. A hand-written Triton kernel for
+# few-row products, the other idea tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
@@ -461,10 +471,9 @@ else:
 #   1B-shaped model, where the host's share of a step is larger.
 # * A faster loop exposes the step: greedy argmax, fused attention and finer key buckets took the
 #   8B decode step from 15.5 to 9.8 ms; an attention kernel that reads the paged cache in place took
-#   it to 8.5 ms, and torch.compile to 6.1 ms at batch 32: 1.2-1.5x the full floor (weights plus keys
-#   and values) from 1 to 128 rows, bounded by the matrix products and by kernel count. The products
-#   lose their time in the small projections; merging q/k/v and gate/up, which means changing the
-#   model's modules, would take off another 0.5 ms.
+#   it to 8.5 ms, torch.compile to 6.1 ms and merging q/k/v and gate/up into one product each inside
+#   the compiled graph to 5.4 ms at batch 32: 1.16-1.41x the full floor (weights plus keys and values)
+#   from 1 to 128 rows, bounded by the matrix products and by kernel count.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
 #
