@@ -220,7 +220,8 @@ for ax, context in zip(axes, (512, 2048)):
         ax.plot(x, [m[key] for m in pts], style, label=labels.get(key, key))
     for i, m in enumerate(pts):
         ax.annotate(f"{m['compile'] / m['floor']:.2f}x", (i, m["compile"]), textcoords="offset points",
-                    xytext=(5, -12), ha="left", fontsize=8, color="tab:green")
+                    xytext=(6, -4), ha="left", va="top", fontsize=8, color="tab:green",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.3, alpha=0.85))
     ax.set_xticks(list(x), [str(m["batch"]) for m in pts])
     ax.set_xlabel(f"batch (rows), context {context}")
     ax.set_title(f"8B shape, context {context}", fontsize=10)
