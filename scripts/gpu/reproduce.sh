@@ -10,8 +10,8 @@
 #   eager      the same workload without CUDA graphs (every step eager)
 #   arrivals   the same workload with requests arriving over the first 128 steps (prefill steps all along)
 #   compile    sync and async with torch.compile'd decode steps, beside transformers' generate_batch modes
-#   floor      the decode step at fixed batch x context against its full floor, default and compiled,
-#              its kernels summed by kind (floor_matrix.py --kernels)
+#   floor      the decode step at fixed batch x context against its full floor, default and compiled (with and
+#              without q/k/v and gate/up merged), its kernels summed by kind (floor_matrix.py --kernels)
 #   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (prefill_graphs_ab.py)
 #   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
 #              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py); that
@@ -48,7 +48,7 @@ for s in $sections; do
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     compile) python3 -m minibatch bench "${eightb[@]}" --modes sync,async,sync+compile,async+compile --floor \
                --hf --hf-all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
-    floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile --kernels > "$out/$s/floor.log" 2>&1
+    floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile --unmerged --kernels > "$out/$s/floor.log" 2>&1
            tail -28 "$out/$s/floor.log" ;;
     prefill) python3 scripts/gpu/prefill_graphs_ab.py "$out/$s" > "$out/$s/prefill.log" 2>&1
              tail -20 "$out/$s/prefill.log" ;;
