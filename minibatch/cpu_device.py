@@ -258,6 +258,10 @@ class CpuDevice(Device):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            # its pipe's finalizer runs now, while interrupts wait, instead of whenever the Process is
+            # collected: a Ctrl-C landing in that finalizer left a descriptor open and the interrupt's
+            # traceback holding the run's buffers
+            proc.close()
             self._conn.close()
             self._sock.close()
             self._fds = []
@@ -317,6 +321,8 @@ class CpuDevice(Device):
             self._error = (_unreachable("interrupted in the middle of a message"), None)
             return
         self._error = (_unreachable(f"{type(exc).__name__}: {exc}", hint=True), None)  # first: an interrupt
+        if self._closed:
+            return  # (the process is gone and its handle closed)
         self._proc.join(0.2)  # a process that died closed its end first: let it be reaped, for its exit code
         code = self._proc.exitcode
         if code is not None:

@@ -250,6 +250,7 @@ def test_the_cpu_device_is_a_process_of_its_own():
         pytest.skip("this process has started CUDA: get_device('cpu') runs the emulated device as threads")
 
     with get_device("cpu") as d:
+        device_pid = d._proc.pid
         pid = d.empty((1,), torch.int64)
         d.stream("a").launch(lambda: pid.fill_(os.getpid()))
         d.synchronize(timeout=T)
@@ -259,7 +260,8 @@ def test_the_cpu_device_is_a_process_of_its_own():
             mine = sorted(os.sched_getaffinity(0))  # the host keeps its first core; the device gets the rest
             assert sorted(os.sched_getaffinity(d._proc.pid)) == mine[1:]
             assert sorted(os.sched_getaffinity(0)) == mine  # the host's own setting is left alone
-    assert not d._proc.is_alive()
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(device_pid, 0)
 
 
 def test_memory_helpers(dev):
