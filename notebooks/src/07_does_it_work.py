@@ -297,6 +297,48 @@ for rows in mm["rows"]:
 # few-row products, the other idea tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
 
 # %% [markdown]
+# The pass is small enough to watch on a CPU. Below, the small random Llama (two layers) gets its
+# weights stacked (on a GPU `load_model` does this), then `torch.compile` captures its forward and hands
+# the graph to a backend of our own, which runs `siblings.merge` and then the graph as it is (no
+# Inductor, so no compilation to wait for). Each `linear` call is printed by the weight it reads:
+
+# %%
+import torch._dynamo
+
+from minibatch import siblings
+
+small = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
+print("groups stacked:", siblings.pack(small.hf))
+
+
+def linear_calls(gm):
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in siblings._LINEAR]
+    return [str(n.args[1]).replace("l_self_modules_model_modules_layers_modules_0_modules_", "")
+            .replace("_parameters_weight_", "") for n in calls[:7]], len(calls)
+
+
+def merge_and_run(gm, example_inputs):
+    first_layer, n = linear_calls(gm)
+    print(f"captured: {n} linear calls; layer 0: {first_layer}")
+    print("merged into a sibling's:", siblings.merge(gm, example_inputs))
+    first_layer, n = linear_calls(gm)
+    print(f"after the pass: {n} linear calls; layer 0: {first_layer}")
+    return gm.forward
+
+
+torch._dynamo.reset()
+forward = torch.compile(lambda ids: small.hf(input_ids=ids, use_cache=False).logits, backend=merge_and_run)
+ids = torch.randint(0, small.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    print("same logits as the modules' own calls:",
+          torch.allclose(forward(ids), small.hf(input_ids=ids, use_cache=False).logits, rtol=0, atol=1e-5))
+
+# %% [markdown]
+# In layer 0, q/k/v became one call (it reads its stacked weight through q's, whose storage holds all
+# three) and gate/up another; o, down and the LM head stay alone. The slices of the merged output that
+# replace the old calls are views, which Inductor folds into the kernels that read them.
+
+# %% [markdown]
 # ## 4. Where asynchrony helps most
 #
 # The async loop hides the host's work behind the device's. It helps most when the host's share of a
