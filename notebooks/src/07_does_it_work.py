@@ -303,6 +303,8 @@ for rows in mm["rows"]:
 # Inductor, so no compilation to wait for). Each `linear` call is printed by the weight it reads:
 
 # %%
+import re
+
 import torch._dynamo
 
 from minibatch import siblings
@@ -311,18 +313,26 @@ small = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
 print("groups stacked:", siblings.pack(small.hf))
 
 
-def linear_calls(gm):
+def weight_name(node):
+    """q_proj, k_proj, ... from the name torch.compile gave a weight's input; a stacked weight by its rows."""
+    if node.target is torch.as_strided:  # the stacked weight, read through the first sibling's
+        return f"{weight_name(node.args[0])} + siblings, {list(node.args[1])}"
+    return re.search(r"_modules_([a-z]+_proj)_parameters", node.name).group(1) + f" {list(node.meta['example_value'].shape)}"
+
+
+def layer0_linear_calls(gm):
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in siblings._LINEAR]
-    return [str(n.args[1]).replace("l_self_modules_model_modules_layers_modules_0_modules_", "")
-            .replace("_parameters_weight_", "") for n in calls[:7]], len(calls)
+    first = [n for n in calls if "layers_modules_0_" in str(n.args[1].args[0] if n.args[1].target is torch.as_strided
+                                                             else n.args[1])]
+    return len(calls), [weight_name(n.args[1]) for n in first]
 
 
 def merge_and_run(gm, example_inputs):
-    first_layer, n = linear_calls(gm)
-    print(f"captured: {n} linear calls; layer 0: {first_layer}")
-    print("merged into a sibling's:", siblings.merge(gm, example_inputs))
-    first_layer, n = linear_calls(gm)
-    print(f"after the pass: {n} linear calls; layer 0: {first_layer}")
+    n, layer0 = layer0_linear_calls(gm)
+    print(f"captured: {n} linear calls; layer 0's read", *layer0, sep="\n    ")
+    print("merged into a sibling's call:", siblings.merge(gm, example_inputs))
+    n, layer0 = layer0_linear_calls(gm)
+    print(f"after the pass: {n} linear calls; layer 0's read", *layer0, sep="\n    ")
     return gm.forward
 
 
