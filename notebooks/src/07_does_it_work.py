@@ -292,7 +292,7 @@ for rows in mm["rows"]:
 # each weight a view of its rows, so nothing the modules compute changes; and the compiled step's graph
 # gets a pass, before Inductor sees it, that turns three `linear` calls on the same input and on
 # neighbouring weights into one call and three slices of its output. In the figure above that is the
-# gap between the two compiled lines: 0.46-0.74 ms per step, as the product timings predicted. The eager
+# gap between the two compiled lines: 0.46-0.74 ms per step, where the product timings predicted 0.5. The eager
 # step cannot have it: its products are the modules' own calls. A hand-written Triton kernel for
 # few-row products, the other idea tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
 
