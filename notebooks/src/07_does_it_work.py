@@ -317,7 +317,8 @@ def weight_name(node):
     """q_proj, k_proj, ... from the name torch.compile gave a weight's input; a stacked weight by its rows."""
     if node.target is torch.as_strided:  # the stacked weight, read through the first sibling's
         return f"{weight_name(node.args[0])} + siblings, {list(node.args[1])}"
-    return re.search(r"_modules_([a-z]+_proj)_parameters", node.name).group(1) + f" {list(node.meta['example_value'].shape)}"
+    found = re.search(r"([a-z]+_proj)", node.name)  # (the naming is torch.compile's: fall back to it whole)
+    return (found.group(1) if found else node.name) + f" {list(node.meta['example_value'].shape)}"
 
 
 def layer0_linear_calls(gm):
