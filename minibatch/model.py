@@ -100,7 +100,8 @@ class Model:
             # graph pointing at weights that stay where they are
             from . import siblings
 
-            siblings.pack(self.hf)
+            if siblings.pack(self.hf):
+                torch.cuda.empty_cache()  # (the weights' old blocks, free now)
 
     def make_cache(self, num_blocks: int, block_size: int, alloc=None) -> PagedKVCache:
         """A paged KV cache for this model; `alloc(shape, dtype)` gives its zeroed tensors (default: on
@@ -166,7 +167,8 @@ def load_model(
     device); if you do, it is moved or cast in place, with a warning, since `Module.to` changes the
     object itself. Either way it is put in eval mode and its attention implementation is set to
     minibatch's paged attention (which falls back to SDPA when called without minibatch's batch
-    metadata, so the model's own `generate` still works).
+    metadata, so the model's own `generate` still works). On a GPU its q/k/v and gate/up weights are
+    also moved, values unchanged, into one tensor per layer and group (siblings.py).
     """
     dev, dtype, seed = check_load(name_or_model, device, dtype, seed, builtin=("tiny", *RANDOM_CONFIGS))
     tokenizer = None

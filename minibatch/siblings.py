@@ -8,15 +8,17 @@ and up; one product over their stacked weights reads the same bytes in fewer, la
 
 How, in two parts, neither of which changes what the model computes:
 
-1. `pack(model)`, when a model is set up on a GPU: in every module that has them, the sibling
-   Linear layers of `GROUPS` (same input size, dtype and device; biases on all or none) get their
+1. `pack(model)`, when a model is set up on a GPU (and again at each run, in case the weights
+   moved since: Engine.start): in every module that has them, the sibling Linear layers of `GROUPS`
+   (contiguous weights of the same input size, dtype and device; biases on all or none) get their
    weights (and biases) stored as consecutive rows of one tensor, each weight a view of its rows.
-   Same values, same shapes and strides: eager steps, and the CUDA graphs captured from them, run
-   exactly as before.
+   Same values, shapes and strides: eager steps, and the CUDA graphs captured from them, run exactly
+   as before.
 2. `merge(gm, example_inputs)`, a pass over the graph torch.compile captures (CompiledStep runs it
    before Inductor): `linear` calls that share their input and whose weights are consecutive views
    of one storage become one `linear` over the whole block, and each original output is a slice of
-   its result. Inductor then compiles the graph as usual.
+   its result. Inductor then compiles the graph as usual. For inference only: with autograd
+   recording, or with an in-place operation between the siblings, a group is left alone.
 
 The module code is transformers' throughout; only the compiled graph and where the weights sit
 differ. Bits: a product over the stacked weight may sum in another order than the separate ones,
@@ -26,14 +28,19 @@ as CompiledStep says); float32 agrees to rounding (tests).
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import defaultdict
 
 import torch
 
-#: names of sibling Linear layers that read the same input, in the architectures transformers ships
-#: (Llama, Mistral, Qwen2/3, Gemma: attention's q/k/v, the gated MLP's gate/up)
+#: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
+#: and Gemma name them (attention's q/k/v, the gated MLP's gate/up); other names are left alone
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)  # (one function today; two names in some versions)
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.imatmul}
 
 
 def _stack(tensors: list[torch.Tensor]) -> None:
@@ -56,17 +63,27 @@ def pack(model: torch.nn.Module) -> int:
                     continue
                 weights = [m.weight for m in layers]
                 biases = [m.bias for m in layers]
-                if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+                if (len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1
+                        or not all(w.is_contiguous() for w in weights)):
                     continue
-                if any(b is None for b in biases) and not all(b is None for b in biases):
+                if any(b is None for b in biases):
+                    if not all(b is None for b in biases):
+                        continue
+                    biases = []
+                elif len({(b.dtype, b.device) for b in biases}) != 1:
                     continue
-                if _consecutive(weights):
+                if stacked(weights) and (not biases or stacked(biases)):
                     continue  # packed already
                 _stack(weights)
-                if biases[0] is not None:
+                if biases:
                     _stack(biases)
                 packed += 1
     return packed
+
+
+def stacked(tensors: list[torch.Tensor]) -> bool:
+    """Are these tensors consecutive in one storage, the first at its start (what `merge` needs)?"""
+    return tensors[0].storage_offset() == 0 and _consecutive(tensors)
 
 
 def _consecutive(tensors: list[torch.Tensor]) -> bool:
@@ -83,9 +100,23 @@ def _consecutive(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+def _in_place(node: torch.fx.Node) -> bool:
+    """Does this node change a tensor in place (`x.mul_(2)`, `torch.relu_(x)`, `x += y`)?"""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        if node.target in _IN_PLACE_OPERATORS:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
 def _whole(gm: torch.fx.GraphModule, node: torch.fx.Node, tensors: list[torch.Tensor]) -> torch.fx.Node:
-    """A graph node viewing consecutive `tensors` (rows of equal width, the first at offset 0) as one
-    [all their rows, width] tensor, through `node`, the first of them."""
+    """A graph node viewing consecutive `tensors` (rows of equal width) as one [all their rows, width]
+    tensor, through `node`, the first of them. Offset 0: Inductor reads an input's `as_strided` offset
+    from the tensor's own start, aten from its storage's; with the first tensor at the storage's start
+    the two agree."""
     shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
     return gm.graph.call_function(torch.as_strided, (node, shape, tensors[0].stride(), 0))
 
@@ -94,7 +125,8 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     """Replace `linear` calls that share an input and whose weights are stacked (`pack`) by one call
     and slices of its output; returns how many calls were merged into others."""
     real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     groups: dict[tuple, list] = defaultdict(list)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR or len(node.args) < 2:
@@ -109,12 +141,16 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     for members in groups.values():
         members.sort(key=lambda m: m[1].storage_offset())
         weights, biases = [m[1] for m in members], [m[2] for m in members]
-        if (len(members) < 2 or not _consecutive(weights) or weights[0].storage_offset() != 0
-                or (biases[0] is not None and (not _consecutive(biases) or biases[0].storage_offset() != 0))):
+        if len(members) < 2 or not stacked(weights) or (biases[0] is not None and not stacked(biases)):
             continue
+        if torch.is_grad_enabled() and any(t.requires_grad for t in weights + biases if t is not None):
+            continue  # (k's and v's gradients would be lost: inference only)
         first, at = members[0][0], min((m[0] for m in members), key=order.__getitem__)
         if any(order.get(a, len(order)) >= order[at] for a in first.args[1:] if isinstance(a, torch.fx.Node)):
             continue  # (the first sibling's weight must exist where the merged call goes)
+        last = max(order[m[0]] for m in members)
+        if any(_in_place(n) for n in nodes[order[at]:last]):
+            continue  # (moving a later sibling's product before an in-place change would change what it reads)
         with gm.graph.inserting_before(at):
             # the stacked weight, read through the first sibling's: the same storage from offset 0 on, so
             # no new tensor enters the graph (the compiler's inputs stay the model's own parameters)
@@ -136,16 +172,25 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     return merged
 
 
-def backend(mode: str | None = None, merged: list | None = None):
-    """A torch.compile backend: `merge`, then Inductor with the options of torch.compile's `mode`.
-    Each compile appends to `merged` how many linear calls it merged into others."""
-    def compile_merged(gm: torch.fx.GraphModule, example_inputs):
+class _Backend:
+    """`merge`, then Inductor with the options of torch.compile's `mode`. `merged`: per compile, how many
+    linear calls went into a sibling's."""
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode, self.merged = mode, []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        n = merge(gm, example_inputs)
-        if merged is not None:
-            merged.append(n)
-        return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode, dynamic=False) if mode else None)
+        self.merged.append(merge(gm, example_inputs))
+        options = list_mode_options(self.mode, dynamic=False) if self.mode else None
+        return compile_fx(gm, example_inputs, config_patches=options)
 
-    return compile_merged
+
+@functools.lru_cache(maxsize=None)
+def backend(mode: str | None = None) -> _Backend:
+    """The torch.compile backend for `mode`: one object per mode, because torch.compile reuses what it
+    compiled for a function only when the backend is the same object (a new one per engine would
+    compile every shape again, and past its recompile limit run the step uncompiled)."""
+    return _Backend(mode)

@@ -76,6 +76,8 @@ class CompiledStep:
     attentions, the keys' length shapes the compiled kernels, and compiled runs pad decode rows to
     the coarser kv_bucket keys to keep compiles few (StepRunner.build). bf16 tokens may differ from
     the eager step's (other kernels round differently): compare compiled runs with compiled runs.
+    With `merge` (the default) q/k/v and gate/up run as one matrix product each (siblings.py); its
+    bf16 tokens may differ from an unmerged compiled step's for the same reason.
     """
 
     def __init__(self, model, mode: str | None = None, merge: bool = True) -> None:
@@ -83,10 +85,16 @@ class CompiledStep:
         self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
         # one matrix product for sibling projections (q/k/v, gate/up) whose weights Model stacked: siblings.py
         self.merge = merge
-        self.merged: list[int] = []  # per compile: how many linear calls went into a sibling's
         self.attention = model.decode_attention
         self.shapes: set[tuple] = set()
         self._fn = None
+
+    @property
+    def merged(self) -> list[int]:
+        """Per compile (of any CompiledStep of this mode): linear calls merged into a sibling's."""
+        from .siblings import backend
+
+        return backend(self.mode).merged if self.merge else []
 
     @property
     def dynamic_keys(self) -> bool:
@@ -113,7 +121,7 @@ class CompiledStep:
             if self.merge:
                 from .siblings import backend
 
-                self._fn = torch.compile(self.model.forward_sample, dynamic=False, backend=backend(self.mode, self.merged))
+                self._fn = torch.compile(self.model.forward_sample, dynamic=False, backend=backend(self.mode))
             else:
                 self._fn = torch.compile(self.model.forward_sample, dynamic=False, mode=self.mode)
         with torch.inference_mode():

@@ -1,10 +1,51 @@
 """Sibling projections stacked into one tensor, and merged into one product in a compiled graph."""
 
+import shutil
+
 import pytest
 import torch
 
 import minibatch
 from minibatch import siblings
+
+
+def randomize_biases(module):
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+
+
+def merged_by(module, x, grad=False):
+    """Compile `module` with a backend that runs siblings.merge, then the graph as it is; (merged, out)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(siblings.merge(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(module, backend=backend)(x)
+    return seen, out
+
+
+class Attn(torch.nn.Module):
+    """q/k/v siblings, called in the order given, with an optional in-place change of the input between."""
+
+    def __init__(self, rows=(8, 4, 4), order=("q", "k", "v"), bias=False, in_place=False):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, r, bias=bias) for r in rows)
+        self.order, self.in_place = order, in_place
+
+    def forward(self, x):
+        outs = []
+        for i, name in enumerate(self.order):
+            if self.in_place and i == 1:
+                x.mul_(2)
+            outs.append(getattr(self, name + "_proj")(x).sum(-1))
+        return torch.stack(outs)
 
 
 def linear_calls(gm):
@@ -36,6 +77,7 @@ def test_a_compiled_graph_runs_siblings_as_one_product(name):
     layer's seven linear calls go into a sibling's, and the logits stay those of the eager model."""
     model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
     hf = model.hf
+    randomize_biases(hf)  # (transformers starts them at zero: a dropped bias would go unseen)
     siblings.pack(hf)
     ids = torch.randint(0, model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     seen = []
@@ -55,28 +97,67 @@ def test_a_compiled_graph_runs_siblings_as_one_product(name):
     assert torch.allclose(out, ref, rtol=0, atol=1e-5)
 
 
-def test_weights_that_are_not_stacked_are_left_alone():
-    """Without pack (separate tensors), or with siblings whose biases differ in kind, nothing merges."""
-    q, k = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=True)
-
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj, self.k_proj, self.v_proj = q, k, torch.nn.Linear(8, 4, bias=False)
-
-        def forward(self, x):
-            return self.q_proj(x).sum() + self.k_proj(x).sum() + self.v_proj(x).sum()
-
-    m = Attn()
-    assert siblings.pack(m) == 0
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append(siblings.merge(gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
+def test_siblings_in_any_order_merge_and_give_the_same_outputs():
+    m = Attn(rows=(8, 3, 5), order=("v", "q", "k"), bias=True)
+    randomize_biases(m)
+    assert siblings.pack(m) == 1
     x = torch.randn(3, 8)
     with torch.no_grad():
-        assert torch.allclose(torch.compile(m, backend=backend)(x), m(x))
-    assert seen == [0]
+        want = m(x)
+        seen, out = merged_by(m, x)
+    assert seen == [2] and torch.allclose(out, want, atol=1e-6)
+
+
+def test_what_merge_leaves_alone():
+    """Separate tensors (not packed), stacked weights not at the storage's start, siblings whose
+    biases differ in kind, an in-place change between the siblings, autograd recording: no merge."""
+    x = torch.randn(3, 8)
+    assert merged_by(Attn(), x)[0] == [0]  # not packed
+    m = Attn()
+    flat = torch.zeros(8 + 16 * 8)  # stacked, but from offset 8 of their storage
+    row = 8
+    for lin in (m.q_proj, m.k_proj, m.v_proj):
+        n = lin.weight.numel()
+        lin.weight.data = flat[row: row + n].view(lin.weight.shape)
+        row += n
+    assert siblings._consecutive([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
+    assert merged_by(m, x)[0] == [0]
+    assert siblings.pack(m) == 1 and merged_by(m, x)[0] == [2]  # pack moves them to the start
+    m = Attn()
+    m.k_proj = torch.nn.Linear(8, 4, bias=True)  # one sibling with a bias, the others without
+    assert siblings.pack(m) == 0
+    m = Attn(in_place=True)
+    siblings.pack(m)
+    with torch.no_grad():
+        want = m(x.clone())
+        seen, out = merged_by(m, x.clone())
+    assert seen == [0] and torch.allclose(out, want)
+    m = Attn()
+    siblings.pack(m)
+    assert merged_by(m, x, grad=True)[0] == [0]  # k's and v's gradients would be lost
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="Inductor compiles C++ on a CPU")
+def test_the_backend_compiles_the_merged_graph_once_for_every_caller():
+    """siblings.backend through Inductor (on the CPU here; CompiledStep uses it on GPUs): the merged graph
+    gives the model's logits, and a second torch.compile of the same forward with the backend of the same
+    mode (as a second engine makes) reuses that compilation instead of compiling again."""
+    model = minibatch.load_model("random-qwen2", device="cpu", dtype=torch.float32)
+    randomize_biases(model.hf)
+    siblings.pack(model.hf)
+    ids = torch.randint(0, model.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    backend = siblings.backend("cpu-test")  # a mode of its own: counts only this test's compiles
+    assert siblings.backend("cpu-test") is backend
+    backend.mode = None  # (Inductor's default options)
+
+    def forward(x):
+        return model.hf(input_ids=x, use_cache=False).logits
+
+    with torch.no_grad():
+        want = forward(ids)
+        first = torch.compile(forward, backend=siblings.backend("cpu-test"))(ids)
+        second = torch.compile(forward, backend=siblings.backend("cpu-test"))(ids)
+    assert backend.merged == [3 * model.num_layers]  # one compile, q/k/v and gate/up merged in it
+    assert torch.allclose(first, want, atol=1e-5) and torch.equal(first, second)
