@@ -100,6 +100,7 @@ class Engine:
         self.kept: OrderedDict[_Shape, Resources] = OrderedDict()
         self.run: Run | None = None
         self._compiled: CompiledStep | None = None
+        self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
 
     # --- a run, step by step ------------------------------------------------------------------------
     def start(self, requests: list[Request], mode: str = "sync", *, timeline: Timeline | None = None,
@@ -120,6 +121,7 @@ class Engine:
             max_batch_tokens, block_size, num_blocks)
         shape = _Shape(num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs, compile,
                        decode=(model.decode_attention, model.decode_kv_bucket))
+        self._weights_changed()
         dev = self._device()
         timeline = timeline if timeline is not None else Timeline()
         dev.set_timeline(timeline)
@@ -261,6 +263,22 @@ class Engine:
         if run is not None:
             self.kept.pop(run.shape, None)
 
+    def _weights_changed(self) -> None:
+        """Weights changed since the last run (loaded into the model, or moved by `.to()` and back):
+        kept CUDA graphs read them where they were, and the cpu device process computes with the copy it
+        forked, so both go. Seen by each parameter's address and version (bumped by any in-place write)."""
+        model = self.model
+        if model.device.type == "cuda":
+            from . import siblings
+
+            siblings.pack(model.hf)  # weights that moved are stacked again, as compiled steps expect
+        seen = tuple((p.data_ptr(), _version(p)) for p in model.hf.parameters())
+        if self._weights_seen is not None and seen != self._weights_seen:
+            if self.dev is not None:
+                self.dev.synchronize(600.0)
+            self._reset_device()
+        self._weights_seen = seen
+
     def _reset_device(self) -> None:
         # an interrupt between letting go of the device and closing it would leave it open for good
         # (its workers keep it alive): the two happen together or not at all
@@ -288,6 +306,13 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<Engine {self.model.name!r} on {self.model.device}, {len(self.kept)} kept shape(s)>"
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # a tensor made under inference_mode keeps no version counter
+        return -1
 
 
 def generate(model: Model | Engine, prompts, **options) -> list[list[int]]:

@@ -160,6 +160,22 @@ def test_generate_takes_an_engine_and_nothing_is_stashed_on_the_model(random_lla
     assert set(vars(random_llama)) == before
 
 
+@pytest.mark.parametrize("assign", [False, True])  # in place (same tensors), or new tensors
+def test_weights_loaded_between_runs_are_the_ones_used(assign):
+    """An engine kept across runs: weights loaded into the model after a run are used by the next one
+    (the cpu device process had computed with the copy it forked; kept CUDA graphs would read the old
+    tensors)."""
+    model = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
+    other = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32, seed=1)
+    work = [[5, 9, 2, 7], [3, 3, 1]]
+    want = minibatch.generate(other, work, max_new_tokens=6)
+    with minibatch.Engine(model) as engine:
+        before = engine.generate(work, max_new_tokens=6)
+        model.hf.load_state_dict(other.hf.state_dict(), assign=assign)
+        assert engine.generate(work, max_new_tokens=6) == want != before
+        assert engine.generate(work, max_new_tokens=6, mode="async") == want
+
+
 def test_engine_needs_a_loaded_model():
     with pytest.raises(TypeError, match="load_model"):
         minibatch.Engine("tiny")
