@@ -244,7 +244,7 @@ for m in matrix:
 #   and what the merge changes.
 # * **Small kernels.** A step of 32 layers is ~1500 kernels eagerly: RMSNorm, rotary embedding, the
 #   MLP's activation, residual adds, each a few microseconds plus a gap. That is the gap between the
-#   eager and the compiled lines, 1.4-2.8 ms; `torch.compile` fuses them (about 30-40 s of
+#   eager and the compiled lines, 1.4-2.8 ms; `torch.compile` fuses them (24-41 s of
 #   compilation per row count, reported by the script).
 #
 # Where the context is long and the batch large (128 x 2048: 34 GB of keys and values per step), the
@@ -291,7 +291,7 @@ for rows in mm["rows"]:
 # model is set up on a GPU, the weights of q, k and v (and of gate and up) are moved into one tensor,
 # each weight a view of its rows, so nothing the modules compute changes; and the compiled step's graph
 # gets a pass, before Inductor sees it, that turns three `linear` calls on the same input and on
-# neighbouring weights into one call and three slices of its output. In the figure above that is the
+# neighbouring weights into one call and a slice of its output for each. In the figure above that is the
 # gap between the two compiled lines: 0.46-0.74 ms per step, where the product timings predicted 0.5. The eager
 # step cannot have it: its products are the modules' own calls. A hand-written Triton kernel for
 # few-row products, the other idea tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
@@ -346,7 +346,7 @@ with torch.no_grad():
 
 # %% [markdown]
 # In layer 0, q/k/v became one call (it reads its stacked weight through q's, whose storage holds all
-# three) and gate/up another; o, down and the LM head stay alone. The slices of the merged output that
+# three) and gate/up another; o and down stay alone (as does the LM head, after the last layer). The slices of the merged output that
 # replace the old calls are views, which Inductor folds into the kernels that read them.
 
 # %% [markdown]
