@@ -13,6 +13,9 @@ wrapper that builds an engine for one call. Keep an engine to keep its resources
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
 Resources are dropped only after the device has finished with them.
+Weights loaded into the model between two runs are noticed (`_weights_changed`): the next run
+starts from a fresh device and captures again, since graphs and the cpu device process would
+otherwise keep computing with the old ones.
 
 The sync and async loops share everything here; `mode` only picks which step function runs
 (sync_loop.sync_step or async_loop.async_step).
