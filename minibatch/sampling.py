@@ -63,8 +63,8 @@ def sample(
     greedy = logits.argmax(dim=-1)
     # sampled path, computed for every row (fixed shapes, no data-dependent branches)
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, logits.shape[-1])))  # [R, V], by vocabulary id
     if not filtered:
-        gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, logits.shape[-1])))
         return torch.where(temperature > 0, (scaled + gumbel).argmax(dim=-1), greedy)
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # stable: ties break by id
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
@@ -72,8 +72,6 @@ def sample(
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # top-p: keep the smallest prefix whose mass reaches p
     drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # float sums reach 1.0 early
-    noise = uniform_noise(seed, counter, logits.shape[-1]).gather(-1, order)
-    gumbel = -torch.log(-torch.log(noise))
-    choice = (sorted_logits + gumbel).masked_fill(drop, float("-inf")).argmax(dim=-1)
+    choice = (sorted_logits + gumbel.gather(-1, order)).masked_fill(drop, float("-inf")).argmax(dim=-1)
     sampled = order.gather(-1, choice[:, None]).squeeze(-1)
     return torch.where(temperature > 0, sampled, greedy)
