@@ -277,9 +277,7 @@ class Engine:
             siblings.pack(model.hf)  # weights that moved are stacked again, as compiled steps expect
         seen = tuple((p.data_ptr(), _version(p)) for p in model.hf.parameters())
         if self._weights_seen is not None and seen != self._weights_seen:
-            if self.dev is not None:
-                self.dev.synchronize(600.0)
-            self._reset_device()
+            self.close()  # the next _device() opens a fresh one
         self._weights_seen = seen
 
     def _reset_device(self) -> None:
