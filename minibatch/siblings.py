@@ -136,7 +136,7 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
         weight, bias = real.get(w), None if b is None else real.get(b)
         if not isinstance(weight, torch.Tensor) or (b is not None and not isinstance(bias, torch.Tensor)):
             continue
-        groups[(x, weight.untyped_storage().data_ptr(), b is None)].append((node, weight, bias))
+        groups[(x, weight.untyped_storage().data_ptr(), b is None)].append((node, weight, bias, w, b))
     merged = 0
     for members in groups.values():
         members.sort(key=lambda m: m[1].storage_offset())
@@ -145,8 +145,8 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
             continue
         if torch.is_grad_enabled() and any(t.requires_grad for t in weights + biases if t is not None):
             continue  # (k's and v's gradients would be lost: inference only)
-        first, at = members[0][0], min((m[0] for m in members), key=order.__getitem__)
-        if any(order.get(a, len(order)) >= order[at] for a in first.args[1:] if isinstance(a, torch.fx.Node)):
+        first, at = members[0], min((m[0] for m in members), key=order.__getitem__)
+        if any(order.get(a, len(order)) >= order[at] for a in first[3:] if isinstance(a, torch.fx.Node)):
             continue  # (the first sibling's weight must exist where the merged call goes)
         last = max(order[m[0]] for m in members)
         if any(_in_place(n) for n in nodes[order[at]:last]):
@@ -154,12 +154,12 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
         with gm.graph.inserting_before(at):
             # the stacked weight, read through the first sibling's: the same storage from offset 0 on, so
             # no new tensor enters the graph (the compiler's inputs stay the model's own parameters)
-            args = [first.args[0], _whole(gm, first.args[1], weights)]
+            args = [first[0].args[0], _whole(gm, first[3], weights)]
             if biases[0] is not None:
-                args.append(_whole(gm, first.args[2] if len(first.args) > 2 else first.kwargs["bias"], biases))
+                args.append(_whole(gm, first[4], biases))
             whole = gm.graph.call_function(torch._C._nn.linear, tuple(args))
         start = 0
-        for node, weight, _ in members:
+        for node, weight, *_ in members:
             with gm.graph.inserting_after(whole):
                 part = gm.graph.call_function(torch.narrow, (whole, -1, start, weight.shape[0]))
             node.replace_all_uses_with(part)
