@@ -79,17 +79,15 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     if name == "cpu" and "fork" not in multiprocessing.get_all_start_methods():
         # (Windows) the device process is a fork that inherits the model, and shared memory travels as
         # file descriptors over a Unix socket: neither exists there
-        warnings.warn("this platform cannot fork, so the cpu device cannot start a device process: it runs "
-                      "as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
-        return ThreadDevice(timeline, **thread_options)
+        return _threads_instead("this platform cannot fork, so the cpu device cannot start a device process",
+                                timeline, thread_options)
     if name == "cpu" and torch.cuda.is_initialized():
         # a forked child of a process that has started CUDA cannot touch CUDA again (it dies with
         # "CUDA error: initialization error" as soon as torch asks for a device): on a GPU machine
         # that has used its GPU, the emulated device runs as threads of this process instead (Python's
         # default warning filter says so once per calling line)
-        warnings.warn("this process has started CUDA, so the cpu device cannot fork a device process: it "
-                      "runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=2)
-        return ThreadDevice(timeline, **thread_options)
+        return _threads_instead("this process has started CUDA, so the cpu device cannot fork a device process",
+                                timeline, thread_options)
     if name == "cpu":
         return CpuDevice(timeline, inherit=inherit, **options)
     if name == "cpu-threads":
@@ -109,3 +107,9 @@ def _cpu_backend() -> str:
         return choice or "cpu"
     raise ValueError(f"{CPU_DEVICE_VAR}={choice!r} is not a cpu backend: use 'cpu' (a device process, the "
                      "default) or 'cpu-threads'")
+
+
+def _threads_instead(why: str, timeline, options: dict) -> ThreadDevice:
+    """"cpu" where no device process can run: say why (to get_device's caller), open threads instead."""
+    warnings.warn(f"{why}: it runs as cpu-threads (same semantics, no overlap with the host's Python)", stacklevel=3)
+    return ThreadDevice(timeline, **options)
