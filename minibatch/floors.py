@@ -33,21 +33,12 @@ def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:
             m(inputs[m.in_features])
 
     with torch.inference_mode():
-        all_layers()
-        run = all_layers
         if model.device.type == "cuda":
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                all_layers()
-            run = graph.replay
-            run()
-            torch.cuda.synchronize()
+            return graph_replay_ms(all_layers, repeats)
+        all_layers()
         t0 = time.perf_counter()
         for _ in range(repeats):
-            run()
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
+            all_layers()
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
