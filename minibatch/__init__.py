@@ -10,8 +10,8 @@
 See README.md for the notebook map; each module's docstring says which notebook explains it.
 """
 
-from .engine import Engine, generate
-from .model import Model, load_model
+from .engine.engine import Engine, generate
+from .model.model import Model, load_model
 from .timeline import Timeline
 
 __version__ = "0.1.0"

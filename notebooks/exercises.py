@@ -53,9 +53,9 @@ def check_01(ragged_layout) -> None:
     """ragged_layout(plan) -> (positions, logits_indices) of the flat batch, as lists."""
     if _not_yet(ragged_layout, "ragged_layout"):
         return
-    from minibatch.batch import build_batch
-    from minibatch.requests import Request
-    from minibatch.scheduler import Scheduler
+    from minibatch.batching.batch import build_batch
+    from minibatch.batching.requests import Request
+    from minibatch.batching.scheduler import Scheduler
 
     cache = _tiny().make_cache(num_blocks=32, block_size=4)
     sched = Scheduler(cache.allocator, max_batch_tokens=8, max_batch_size=3)
@@ -102,7 +102,7 @@ def check_05(scatter_carry_over) -> None:
         return
     import torch
 
-    from minibatch.carry_over import apply_carry_over
+    from minibatch.batching.carry_over import apply_carry_over
 
     g = torch.Generator().manual_seed(5)
     cases = [([0, 5, 6, 0], [17, 42, 99], [3, -1, 0]), ([0], [7], [0]), ([1, 2, 3], [9, 9], [-1, -1]),
@@ -168,8 +168,8 @@ def check_04(count_graphs) -> None:
     """count_graphs(steps, kv_bucket) -> how many CUDA graphs decode steps (rows, longest_context) capture."""
     if _not_yet(count_graphs, "count_graphs"):
         return
-    from minibatch.batch import bucket
-    from minibatch.step import ROW_BUCKETS
+    from minibatch.batching.buckets import bucket
+    from minibatch.batching.buckets import ROW_BUCKETS
 
     def want(steps, kb):
         return len({(n % 2, bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb) for n, (rows, ctx) in enumerate(steps)})
@@ -192,7 +192,7 @@ def check_02(max_concurrency) -> None:
     """max_concurrency(tl) -> the largest number of spans of a Timeline running at the same moment."""
     if _not_yet(max_concurrency, "max_concurrency"):
         return
-    from minibatch.device import get_device
+    from minibatch.devices import get_device
     from minibatch.timeline import Timeline
 
     cases = [  # (spans as (lane, start, end), expected); not sorted on purpose
@@ -233,7 +233,7 @@ def check_03(pipeline) -> None:
 
     import torch
 
-    from minibatch.device import get_device
+    from minibatch.devices import get_device
 
     def fn(x, out):
         torch.add(x * x, 1, out=out)

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 import minibatch
-from minibatch import bench, engine
-from minibatch.device import get_device
+from minibatch.tools import bench
+from minibatch.engine import engine
+from minibatch.devices import get_device
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
            "Assignment statements", "A string literal", "The while loop", "Functions are defined"]
@@ -60,8 +61,8 @@ def main() -> None:
     model = minibatch.load_model("tiny", device="cpu")
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     kw = dict(max_batch_size=8, max_batch_tokens=64, temperature=0.7, seed=0)
-    if args.like_demo:  # as minibatch.__main__.demo runs it
-        from minibatch.__main__ import DEMO_PROMPTS
+    if args.like_demo:  # as minibatch.tools.cli.demo runs it
+        from minibatch.tools.cli import DEMO_PROMPTS
 
         prompts = [model.tokenizer.encode(p) for p in DEMO_PROMPTS]
         kw = dict(eos_token_id=model.tokenizer.eos_token_id, max_batch_size=4, max_batch_tokens=32,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from minibatch.device import get_device  # noqa: E402
+from minibatch.devices import get_device  # noqa: E402
 
 PARTS = ("schedule", "build", "load", "carry", "update")
 BLOCK_SIZE = 16  # generate's default block size

@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import minibatch  # noqa: E402
-from minibatch import bench, floors  # noqa: E402
-from minibatch.requests import Request, SamplingParams  # noqa: E402
-from minibatch.scheduler import Scheduler  # noqa: E402
-from minibatch.step import StepRunner  # noqa: E402
+from minibatch.tools import bench
+from minibatch.tools import floors  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
+from minibatch.batching.scheduler import Scheduler  # noqa: E402
+from minibatch.runner.graphs import StepRunner  # noqa: E402
 
 BLOCK = 16
 

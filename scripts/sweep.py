@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minibatch  # noqa: E402
-from minibatch import bench, floors  # noqa: E402
+from minibatch.tools import bench
+from minibatch.tools import floors  # noqa: E402
 
 GPU = dict(models="qwen3-0.6b-shape,llama3-1b-shape,llama3-8b-shape", batches="1,8,32,128", contexts="512,2048",
            max_new_tokens=64)

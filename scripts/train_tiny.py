@@ -1,7 +1,7 @@
 """Train the tiny byte-level Llama that ships in ``minibatch/assets/tiny``.
 
 What: a 4-layer Llama (about 1.3M parameters, under 3 MB in bf16) that
-reads and writes raw UTF-8 bytes (see ``minibatch/tokenizer.py``).
+reads and writes raw UTF-8 bytes (see ``minibatch/model/tokenizer.py``).
 
 Why: the teaching notebooks need a real model whose output is recognizable
 English, so that a scheduling bug (a token routed to the wrong request, a
@@ -47,7 +47,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from minibatch.tokenizer import ByteTokenizer  # noqa: E402
+from minibatch.model.tokenizer import ByteTokenizer  # noqa: E402
 
 OUT_DIR = ROOT / "minibatch" / "assets" / "tiny"
 SEED = 0
@@ -134,7 +134,7 @@ def write_readme(args, n_params, steps, minutes, train_loss, val_loss, n_train, 
 
 A `LlamaForCausalLM` with {n_params:,} parameters, stored in bfloat16.
 It reads and writes UTF-8 bytes: ids 0..255 are bytes, 256 = BOS,
-257 = EOS, 258 = PAD (see `minibatch/tokenizer.py`).
+257 = EOS, 258 = PAD (see `minibatch/model/tokenizer.py`).
 
 Architecture: {cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, MLP size {cfg.intermediate_size},
 {cfg.num_attention_heads} query heads sharing {cfg.num_key_value_heads} KV heads (head_dim {cfg.head_dim}), RoPE,

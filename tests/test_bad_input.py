@@ -19,8 +19,9 @@ import torch
 import transformers
 
 import minibatch
-from minibatch import engine, memory
-from minibatch.model import Model
+from minibatch.engine import engine
+from minibatch.engine import memory
+from minibatch.model.model import Model
 
 GB = 10**9
 
@@ -147,8 +148,8 @@ def test_sizes_beyond_any_machine_are_refused_on_this_one(random_llama, monkeypa
 
 def test_memory_estimate_matches_what_is_allocated(random_llama):
     """The KV term is the cache a run builds, byte for byte; the IO term bounds an IO slot's buffers closely."""
-    from minibatch.device import get_device
-    from minibatch.slots import IOSlot
+    from minibatch.devices import get_device
+    from minibatch.batching.slots import IOSlot
 
     est = memory.estimate_bytes(random_llama, 7, 32, 128, 8, 16, num_slots=1)
     assert est["kv"] == random_llama.make_cache(7, 16).nbytes
@@ -333,7 +334,7 @@ CLI_CASES = [
 @pytest.mark.parametrize("args, words", CLI_CASES, ids=lambda x: " ".join(x)[:40] if isinstance(x, list) else None)
 def test_cli_user_errors_are_one_line(args, words, capsys, no_device_work):
     """In this process (a fresh one per case would spend seconds importing torch): exit 2, one line."""
-    from minibatch.__main__ import main
+    from minibatch.tools.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(args)

@@ -15,7 +15,7 @@ def run(*args, cwd=None):
 def run_here(capsys, *args):
     """The CLI's main() in this process: (exit status, stdout, stderr) as a subprocess would give them,
     without a fresh interpreter's seconds of imports (the demo test runs the real entry point)."""
-    from minibatch.__main__ import main
+    from minibatch.tools.cli import main
 
     try:
         main(list(args))
@@ -83,7 +83,7 @@ def test_compile_modes_need_a_gpu(capsys):
 
 
 def test_triton_attention_without_triton_is_named(capsys):
-    from minibatch import triton_decode
+    from minibatch.model import triton_decode
     if triton_decode.available():
         pytest.skip("triton is installed here")
     code, _, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--decode-attention",

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from minibatch.device import DeviceError, DeviceTimeoutError, get_device
+from minibatch.devices import DeviceError, DeviceTimeoutError, get_device
 from minibatch.timeline import Timeline
 
 X = 0.3  # seconds: an injected delay, long against thread wake-ups and kernel launches

@@ -11,11 +11,11 @@ from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
 import minibatch
-from minibatch.attention import ATTN_NAME, PagedMeta
-from minibatch.batch import build_batch, pad_flat
-from minibatch.requests import Request, SamplingParams
-from minibatch.scheduler import Scheduler
-from minibatch.step import ROW_BUCKETS
+from minibatch.model.attention import ATTN_NAME, PagedMeta
+from minibatch.batching.batch import build_batch, pad_flat
+from minibatch.batching.requests import Request, SamplingParams
+from minibatch.batching.scheduler import Scheduler
+from minibatch.batching.buckets import ROW_BUCKETS
 
 WORK = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18]]
 KW = dict(max_new_tokens=6, max_batch_tokens=8, max_batch_size=4, block_size=4)

@@ -96,14 +96,14 @@ def pipeline_waiting_for_everything(dev, host_in, fn):
 
 
 def graphs_one_per_shape(steps, kv_bucket):  # forgets that each slot needs its own graphs
-    from minibatch.batch import bucket
-    from minibatch.step import ROW_BUCKETS
+    from minibatch.batching.buckets import bucket
+    from minibatch.batching.buckets import ROW_BUCKETS
     return len({(bucket(r, ROW_BUCKETS), -(-(c + 1) // kv_bucket) * kv_bucket) for r, c in steps})
 
 
 def graphs_without_the_new_token(steps, kv_bucket):
-    from minibatch.batch import bucket
-    from minibatch.step import ROW_BUCKETS
+    from minibatch.batching.buckets import bucket
+    from minibatch.batching.buckets import ROW_BUCKETS
     return len({(n % 2, bucket(r, ROW_BUCKETS), -(-c // kv_bucket) * kv_bucket) for n, (r, c) in enumerate(steps)})
 
 

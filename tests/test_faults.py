@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.device import DeviceError
+from minibatch.devices import DeviceError
 
 KW = dict(max_new_tokens=6, max_batch_tokens=16, max_batch_size=4)
 
@@ -108,7 +108,7 @@ def test_a_device_process_that_dies_is_an_error_naming_it_and_the_next_call_work
         assert engine.generate(work, mode=mode, **KW) == ref
         assert engine.dev._proc.pid != pid
     with pytest.raises(DeviceError, match="died"):  # a bare device: the first launch after the death says so
-        from minibatch.device import get_device
+        from minibatch.devices import get_device
 
         with get_device("cpu") as dev:
             x = dev.empty((1,), torch.int64)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from minibatch import floors
+from minibatch.tools import floors
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.requests import Request
-from minibatch.step import KEY_BUCKETS, TOKEN_BUCKETS, CompiledStep, pool_memory
+from minibatch.batching.requests import Request
+from minibatch.batching.buckets import KEY_BUCKETS, TOKEN_BUCKETS
+from minibatch.runner.compiled import CompiledStep
+from minibatch.tools.floors import pool_memory
 from minibatch.timeline import Timeline
 
 pytestmark = pytest.mark.cuda
@@ -52,7 +54,7 @@ def test_prefill_and_mixed_steps_are_graphs_too():
 
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_decode_attentions_agree_with_the_einsum_reference_float32(attention):
-    from minibatch import triton_decode
+    from minibatch.model import triton_decode
 
     if attention == "triton" and not triton_decode.available():
         pytest.skip("needs triton")
@@ -88,7 +90,7 @@ def test_compiled_decode_steps_give_the_same_tokens():
 def test_one_compile_serves_every_context_length_with_the_triton_attention():
     """With the Triton attention the keys' length is dynamic in the compiled step: contexts that cross
     several key buckets compile once per row count, and sync and async still agree in bf16."""
-    from minibatch import triton_decode
+    from minibatch.model import triton_decode
 
     if not triton_decode.available():
         pytest.skip("needs triton")
@@ -168,7 +170,7 @@ def test_device_clock_spans_on_gpu():
 def test_the_loops_make_no_implicit_host_sync(monkeypatch):
     """Both loops, eager and with graphs, with prefill steps and requests arriving mid-run, under
     torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync."""
-    from minibatch.cuda_device import CudaEvent
+    from minibatch.devices.cuda import CudaEvent
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
     work = prompts(6, model.vocab_size, seed=6)
@@ -206,7 +208,7 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch):
 def test_a_float32_model_given_to_load_model_keeps_float32_and_matches_its_generate(name):
     import transformers
 
-    from minibatch.model import RANDOM_CONFIGS
+    from minibatch.model.model import RANDOM_CONFIGS
 
     cls_name, kwargs = RANDOM_CONFIGS[name]
     torch.manual_seed(7)
@@ -226,7 +228,7 @@ def test_a_float32_model_given_to_load_model_keeps_float32_and_matches_its_gener
 def test_the_cpu_device_runs_as_threads_once_cuda_has_started():
     """A forked child cannot touch CUDA again: after this process has used its GPU, get_device("cpu")
     gives the thread emulation (same semantics), and says so."""
-    import minibatch.device as device
+    import minibatch.devices as device
 
     torch.zeros(1, device="cuda")
     with pytest.warns(UserWarning, match="runs as cpu-threads"):

@@ -45,15 +45,16 @@ def test_decode_layout_gives_the_same_tokens(random_llama, work, monkeypatch, at
 
 
 def test_padded_rows_give_the_same_tokens(random_llama, work, monkeypatch):
-    from minibatch import step
-    from minibatch.batch import build_batch
+    from minibatch.batching.batch import build_batch
+    from minibatch.batching.buckets import ROW_BUCKETS
+    from minibatch.runner.graphs import StepRunner
 
     def padded(self, plan):  # the CUDA-graph layout (rows padded to a bucket), forced on the CPU
-        return build_batch(plan, self.cache, 8, True, step.ROW_BUCKETS)
+        return build_batch(plan, self.cache, 8, True, ROW_BUCKETS)
 
     kw = dict(max_new_tokens=8, max_batch_tokens=32, block_size=4)
     flat = minibatch.generate(random_llama, work, **kw)
-    monkeypatch.setattr(step.StepRunner, "build", padded)
+    monkeypatch.setattr(StepRunner, "build", padded)
     monkeypatch.setattr(random_llama, "kv_bucket", 8)
     for mode in ("sync", "async"):
         assert minibatch.generate(random_llama, work, mode=mode, **kw) == flat

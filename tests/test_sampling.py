@@ -3,7 +3,7 @@
 import torch
 
 import minibatch
-from minibatch.sampling import sample, uniform_noise
+from minibatch.batching.sampling import sample, uniform_noise
 
 
 def _params(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, counter=None):
@@ -79,9 +79,9 @@ def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
     """A batch whose rows are all greedy skips the sort; it must pick what the full sampler picks."""
     import dataclasses
 
-    from minibatch.batch import build_batch
-    from minibatch.requests import Request, SamplingParams
-    from minibatch.scheduler import Scheduler
+    from minibatch.batching.batch import build_batch
+    from minibatch.batching.requests import Request, SamplingParams
+    from minibatch.batching.scheduler import Scheduler
 
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)
@@ -112,9 +112,9 @@ def test_the_unsorted_path_picks_what_the_sorted_one_picks():
 def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
     import dataclasses
 
-    from minibatch.batch import build_batch
-    from minibatch.requests import Request, SamplingParams
-    from minibatch.scheduler import Scheduler
+    from minibatch.batching.batch import build_batch
+    from minibatch.batching.requests import Request, SamplingParams
+    from minibatch.batching.scheduler import Scheduler
 
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)

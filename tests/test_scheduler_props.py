@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minibatch.batch import build_batch
-from minibatch.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
-from minibatch.requests import Request, RequestState
-from minibatch.scheduler import Scheduler
+from minibatch.batching.batch import build_batch
+from minibatch.batching.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
+from minibatch.batching.requests import Request, RequestState
+from minibatch.batching.scheduler import Scheduler
 
 VOCAB = 50
 

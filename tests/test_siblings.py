@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch import siblings
+from minibatch.runner import siblings
 
 
 def randomize_biases(module):

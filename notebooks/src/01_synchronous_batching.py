@@ -15,9 +15,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batch import build_batch
-from minibatch.requests import Request
-from minibatch.scheduler import Scheduler
+from minibatch.batching.batch import build_batch
+from minibatch.batching.requests import Request
+from minibatch.batching.scheduler import Scheduler
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -155,7 +155,7 @@ for t, o in zip(texts, inline_out):
     print(f"{t!r:50} -> {tok.decode(o)!r}")
 
 # %% [markdown]
-# The package's version is `minibatch.generate(..., mode="sync")` (in `minibatch/sync_loop.py`).
+# The package's version is `minibatch.generate(..., mode="sync")` (in `minibatch/engine/sync_loop.py`).
 # It must give the same tokens as our inline loop, and both must match Hugging Face `generate`
 # run on one prompt at a time:
 

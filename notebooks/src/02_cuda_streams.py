@@ -12,7 +12,7 @@
 # In notebook 01 the host did everything in turn: prepare, copy in, compute, copy out, update,
 # each stage finished before the next one started. To let the host and the device work at the same
 # time, the host must be able to *hand work over* and get on with its own. That is what streams
-# are for. We build the idea in a few lines first, then use `minibatch.device`, the device layer
+# are for. We build the idea in a few lines first, then use `minibatch.devices`, the device layer
 # every later notebook runs on. Its `cpu` backend emulates a GPU with a second process whose streams
 # are worker threads, so what you see below really happens, on any laptop.
 
@@ -26,7 +26,7 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minibatch.device import get_device
+from minibatch.devices import get_device
 from minibatch.timeline import Timeline
 
 _ = torch.manual_seed(0)  # nothing below is random, but every notebook starts seeded
@@ -107,7 +107,7 @@ print("both done in less than 0.15 s (not 0.2 s):", time.perf_counter() - t0 < 0
 # %% [markdown]
 # ### The package version
 #
-# `minibatch.device.get_device(...)` opens a device; `dev.stream(name)` gives a named stream (the
+# `minibatch.devices.get_device(...)` opens a device; `dev.stream(name)` gives a named stream (the
 # same name gives the same stream); `launch(fn, *args)` enqueues, `sleep(seconds)` enqueues a delay,
 # `synchronize(timeout=...)` blocks the host. Without a GPU there are two emulated devices:
 #

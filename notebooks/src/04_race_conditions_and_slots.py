@@ -15,9 +15,10 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batch import bucket
-from minibatch.device import get_device
-from minibatch.step import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, StepRunner
+from minibatch.batching.buckets import bucket
+from minibatch.devices import get_device
+from minibatch.batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
+from minibatch.runner.graphs import StepRunner
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -68,7 +69,7 @@ with get_device("cpu") as dev:
 # %% [markdown]
 # ## 2. The same race in the generation loop
 #
-# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/slots.py`): host
+# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/batching/slots.py`): host
 # buffers, device buffers, and the three events H2D-done, compute-done and D2H-done. The
 # asynchronous loop of notebook 06 prepares batch N+1 while batch N runs; `generate` lets us run it
 # with a single slot and an injected delay, to see what happens. Reference first: the synchronous
@@ -167,7 +168,7 @@ print("one slot correct?", compute_bad == reference, "  two slots correct?", com
 # * shapes come from **buckets**: decode steps are padded to a row count from `ROW_BUCKETS` and a
 #   key length that is a multiple of a bucket (`model.decode_kv_bucket`: 64 keys on a GPU, 256 when
 #   the step is compiled), and each (slot, rows, keys) gets its own graph, captured the first time
-#   it comes up (`minibatch/step.py`). A finer bucket pads less but needs more graphs;
+#   it comes up (`minibatch/runner/graphs.py`). A finer bucket pads less but needs more graphs;
 #   notebook 07 measures what 64 instead of 256 saves. Prefill and mixed steps are padded too: their
 #   tokens to a size from `TOKEN_BUCKETS`, the keys they read to one from `KEY_BUCKETS`, with
 #   padding tokens that see only padding keys (`batch.pad_flat`). Their shapes repeat less than

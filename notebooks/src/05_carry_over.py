@@ -20,9 +20,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batch import build_batch
-from minibatch.requests import Request, RequestState, SamplingParams
-from minibatch.scheduler import Scheduler
+from minibatch.batching.batch import build_batch
+from minibatch.batching.requests import Request, RequestState, SamplingParams
+from minibatch.batching.scheduler import Scheduler
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -147,7 +147,7 @@ for name, t in [("gathered", prev_output[: len(toy_mask)]), ("zeroed", tokens), 
 # **How big is an IO slot?** The article notes that doubling the IO tensors costs little *when no
 # attention mask is needed*: a flash-attention kernel reads the paged cache through each request's
 # block table and cumulative lengths, a few numbers per request. Our attention (SDPA or an einsum
-# over gathered keys, `minibatch/attention.py`) needs the keys laid out and masked, so each slot also
+# over gathered keys, `minibatch/model/attention.py`) needs the keys laid out and masked, so each slot also
 # carries a key list, three int64 entries per key read (`kv_indices`, `kv_seq`, `kv_pos`); the device
 # builds the boolean mask from them. For the decode step of the H200 runs (32 rows, contexts up to
 # 512 tokens, keys padded to multiples of 64):
@@ -169,7 +169,7 @@ print(" | ".join(f"{name} {size / 1e3:.1f} kB" for name, size in io_sizes().item
 # and still under half a megabyte each: two of them cost nothing next to 16 GB of weights. A mixed
 # prefill/decode step with the flat layout is larger: its mask is [tokens, keys], e.g. 512 prefill
 # tokens against 8192 keys is 4 MB, built on the device, not copied. The Triton decode kernel
-# (`minibatch/triton_decode.py`, notebook 07) reads the block tables in place, as flash attention does.
+# (`minibatch/model/triton_decode.py`, notebook 07) reads the block tables in place, as flash attention does.
 #
 # Now the same four lines on the real pair of batches from section 1, with batch N's real
 # output:
@@ -189,7 +189,7 @@ print("after carry-over   ", patched_next.tolist())
 # %% [markdown]
 # ## 4. The package version, checked
 #
-# `minibatch.carry_over` has both halves: `carry_over_mask(prev_plan, plan)` runs on the host
+# `minibatch.batching.carry_over` has both halves: `carry_over_mask(prev_plan, plan)` runs on the host
 # when it builds batch N+1, and `apply_carry_over(out_ids, input_ids, prev_output, mask)` runs on
 # the device, inside the compute step. It writes its result into a separate buffer rather than in
 # place, so that running it twice gives the same answer (a CUDA graph's warm-up run and its replay
@@ -198,7 +198,7 @@ print("after carry-over   ", patched_next.tolist())
 # building batch N+1 again, the slow way.
 
 # %%
-from minibatch.carry_over import apply_carry_over, carry_over_mask
+from minibatch.batching.carry_over import apply_carry_over, carry_over_mask
 
 assert carry_over_mask(plan_n, plan_next) == mask
 pkg_patched = torch.empty_like(batch_next.input_ids)
@@ -352,7 +352,7 @@ print("outputs stop exactly where the synchronous loop's stop ✓")
 #   0 for each token still in flight, and a carry-over mask: for each output row of batch N, its
 #   destination in batch N+1's input ids, or -1.
 # * On the device, before the forward pass: gather, zero, place, add. Fixed shapes, no host sync,
-#   so a CUDA graph can hold it (`minibatch.carry_over`).
+#   so a CUDA graph can hold it (`minibatch.batching.carry_over`).
 # * Forget it and the model reads NUL bytes: no error, wrong text.
 # * A request that hits EOS in batch N still runs in batch N+1; its extra token is dropped, so the
 #   output ends exactly where the synchronous loop's does.

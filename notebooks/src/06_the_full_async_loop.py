@@ -23,13 +23,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 import minibatch
-from minibatch.batch import build_batch
-from minibatch.carry_over import carry_over_mask
-from minibatch.device import get_device
-from minibatch.requests import Request, SamplingParams
-from minibatch.scheduler import Scheduler
-from minibatch.slots import IOSlot
-from minibatch.step import forward_step, launch_step
+from minibatch.batching.batch import build_batch
+from minibatch.batching.carry_over import carry_over_mask
+from minibatch.devices import get_device
+from minibatch.batching.requests import Request, SamplingParams
+from minibatch.batching.scheduler import Scheduler
+from minibatch.batching.slots import IOSlot
+from minibatch.runner.launch import forward_step, launch_step
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -58,7 +58,7 @@ EOS = tok.eos_token_id
 # * the host blocks in exactly one place per step: `d2h_done.synchronize()` of batch N, right
 #   before it hands batch N's tokens to their requests.
 #
-# The plan, as the docstring of `minibatch/async_loop.py` draws it:
+# The plan, as the docstring of `minibatch/engine/async_loop.py` draws it:
 #
 # ```
 # CPU      prep 0 │ prep 1 (B) │ wait 0 │ upd 0 │ prep 2 (A) │ wait 1 │ upd 1 │ prep 3 (B) …
@@ -122,7 +122,7 @@ for t, o in zip(texts, inline_out):
 #   that produced the EOS, one step later than in the synchronous loop, so a newcomer may wait one
 #   more step, and a step can even come out empty.
 #
-# The package's loop is `minibatch.async_loop.run_async`, which `minibatch.generate(...,
+# The package's loop is `minibatch.engine.async_loop.run_async`, which `minibatch.generate(...,
 # mode="async")` runs. Same scheduler, same slots, same carry-over: it must give the same tokens as
 # our inline loop, and both the same as the synchronous loop (the sampling is seeded per request
 # and per token, so the different batch shapes do not matter).

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch import bench
+from minibatch.tools import bench
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -188,7 +188,7 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # (`index_select`) takes ~1.0 ms, and attention over that copy ~1.0 ms, at 512 keys per row.
 # Production engines remove the gather with attention kernels that read the paged cache in place
 # (vLLM's paged attention, FlashInfer, FlashAttention's paged variant). So does
-# `minibatch/triton_decode.py`, a small Triton kernel you can read next to `_decode_attention_sdpa`:
+# `minibatch/model/triton_decode.py`, a small Triton kernel you can read next to `_decode_attention_sdpa`:
 # one program per (row, key/value head) walks the row's cells through the block table, with an online
 # softmax; when there are too few rows to fill the GPU, each row's keys are split over several
 # programs and a second kernel combines them. It is the default on a GPU. To `torch.compile` it is
@@ -200,7 +200,7 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # rows of `context` tokens, runs it through the engine's own step runner and CUDA graph, and times
 # it, eager (the default) and compiled, next to that floor and to the matrix products alone. The
 # compiled step runs twice: as `compile=True` runs it, with q/k/v and gate/up merged into one product
-# each (`minibatch/siblings.py`, explained after the next figure), and without that merge:
+# each (`minibatch/runner/siblings.py`, explained after the next figure), and without that merge:
 
 # %%
 RUN = DATA + "runs/gpu_merged_projections_2026-12-01/"
@@ -287,7 +287,7 @@ for rows in mm["rows"]:
 # into one weight makes one product big enough, and the Linear layers go from 1.22-1.38x their floor
 # to 1.07-1.25x: half a millisecond per step at every batch size. Production engines write it into
 # their model code (vLLM's has one `qkv_proj` and one `gate_up_proj` per layer). minibatch keeps
-# transformers' modules as they are and does it in two steps instead (`minibatch/siblings.py`): when a
+# transformers' modules as they are and does it in two steps instead (`minibatch/runner/siblings.py`): when a
 # model is set up on a GPU, the weights of q, k and v (and of gate and up) are moved into one tensor,
 # each weight a view of its rows, so nothing the modules compute changes; and the compiled step's graph
 # gets a pass, before Inductor sees it, that turns three `linear` calls on the same input and on
@@ -307,7 +307,7 @@ import re
 
 import torch._dynamo
 
-from minibatch import siblings
+from minibatch.runner import siblings
 
 small = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
 print("groups stacked:", siblings.pack(small.hf))
@@ -396,7 +396,7 @@ for r in sweep:
 #   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
 #   most of the run, and the ratio goes towards 1.
 # * **The async loop keeps the device busy at every point: 99.2-100%.** It did not always: before
-#   prefill steps could be CUDA graphs (`step.py`, `batch.pad_flat`), the small shapes dropped to
+#   prefill steps could be CUDA graphs (`runner/graphs.py`, `batch.pad_flat`), the small shapes dropped to
 #   97.8-98.8%, because an eager prefill step of a small model is bound by the host launching its
 #   kernels. The device then never ran far ahead of the host, and waited while the host prepared the
 #   next step. Padded to bucketed sizes and replayed, prefill steps are queued like decode steps.
@@ -572,10 +572,10 @@ exercises.check_07(globals().get("async_over_sync"))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minibatch.batch import build_batch
-from minibatch.kv_cache import PagedKVCache
-from minibatch.requests import Request
-from minibatch.scheduler import Scheduler
+from minibatch.batching.batch import build_batch
+from minibatch.batching.kv_cache import PagedKVCache
+from minibatch.batching.requests import Request
+from minibatch.batching.scheduler import Scheduler
 
 
 def host_ms_per_step(rows: int, context: int = 256, steps: int = 20) -> float:

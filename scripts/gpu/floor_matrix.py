@@ -41,12 +41,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
-from minibatch import bench, floors  # noqa: E402
-from minibatch.device import get_device  # noqa: E402
-from minibatch.requests import Request  # noqa: E402
-from minibatch.scheduler import Scheduler  # noqa: E402
-from minibatch.slots import IOSlot, copy_in  # noqa: E402
-from minibatch.step import CompiledStep, StepRunner  # noqa: E402
+from minibatch.tools import bench
+from minibatch.tools import floors  # noqa: E402
+from minibatch.devices import get_device  # noqa: E402
+from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.scheduler import Scheduler  # noqa: E402
+from minibatch.batching.slots import IOSlot, copy_in  # noqa: E402
+from minibatch.runner.compiled import CompiledStep  # noqa: E402
+from minibatch.runner.graphs import StepRunner
 
 BLOCK = 16
 KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),

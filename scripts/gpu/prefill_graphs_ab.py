@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import minibatch  # noqa: E402
-from minibatch import bench  # noqa: E402
+from minibatch.tools import bench  # noqa: E402
 
 POINTS = "qwen3-0.6b-shape:8:2016:64,llama3-1b-shape:32:480:64,qwen3-0.6b-shape:1:2016:64,llama3-8b-shape:32:256:256:128"
 

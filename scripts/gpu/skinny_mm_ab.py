@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minibatch.floors import graph_replay_ms, measure_bandwidth  # noqa: E402
+from minibatch.tools.floors import graph_replay_ms, measure_bandwidth  # noqa: E402
 
 # (name, N, K) per layer of the 8B Llama shape, and the LM head once
 SHAPES = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 4096),

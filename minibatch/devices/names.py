@@ -1,7 +1,7 @@
 """What the `cpu` device process already holds, and how each object of device work travels there.
 
-Work launched on the cpu device (cpu_device.py) is pickled; this module decides, object by object,
-what goes by value and what by name (device_process.py rebuilds both):
+Work launched on the cpu device (devices/cpu.py) is pickled; this module decides, object by object,
+what goes by value and what by name (devices/cpu_process.py rebuilds both):
 
     a tensor in shared memory (dev.empty, dev.pin)  -> view(storage key, offset, shape, stride)
     a plain host tensor                               -> refused: a GPU cannot read pageable memory either
@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
-from . import device_process
-from .device_base import DeviceError
+from . import cpu_process as device_process
+from .base import DeviceError
 
 
 class Names:
@@ -65,7 +65,7 @@ class Names:
         return storages, objects
 
     def reference(self, obj, pickler):
-        """How an object travels to the device process (device_process.py): None means by value."""
+        """How an object travels to the device process (devices/cpu_process.py): None means by value."""
         if isinstance(obj, torch.Tensor):
             if obj.numel() == 0:
                 return None

@@ -6,8 +6,8 @@ Python) and the host's scheduling (all Python) then take turns (notes/device_ove
 backend is still there, as `get_device("cpu-threads")`). So this device is a process, started
 (forked) when the device opens and kept until it closes, as a CUDA context is:
 
-    host process                              device process (device_process.py)
-    launch(fn, *args) ── pickled message ──▶  stream workers (thread_device.py): fn(*args)
+    host process                              device process (devices/cpu_process.py)
+    launch(fn, *args) ── pickled message ──▶  stream workers (devices/threads.py): fn(*args)
     record / wait     ── message ──────────▶  events, the legacy default stream
     event.synchronize ◀── reached, spans ────  (its own GIL, its own core)
 
@@ -15,7 +15,7 @@ It owns what a GPU would own: the model's weights (inherited at fork), the KV ca
 side of the IO slots. `dev.empty` and `dev.pin` allocate in shared memory, so an H2D copy is a
 real copy done by the device side, and a host that rewrites a slot too early still corrupts the
 device's input: the races of notebook 04 stay real. Work and its arguments are pickled at launch
-(device_names.py says how); a plain host tensor in device work is refused, as a GPU kernel cannot
+(devices/names.py says how); a plain host tensor in device work is refused, as a GPU kernel cannot
 touch pageable host memory either. So are effects on host objects: a launched function that
 appends to a host list appends to the device process's copy of it.
 
@@ -27,7 +27,7 @@ on two cores the async loop then wins back most of the host's share of a step. T
 torch thread while the device is open: a second one waits for the core the device is using. The
 device process is pinned to every core but the host's first one (where the platform allows it).
 Needs the `fork` start method (Linux, macOS): constructed where there is none it raises, and
-`get_device("cpu")` opens "cpu-threads" there instead (device.py).
+`get_device("cpu")` opens "cpu-threads" there instead (devices/__init__.py).
 
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
 devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel
@@ -48,11 +48,11 @@ from multiprocessing import reduction  # its sendfds exists only where Unix sock
 
 import torch
 
-from . import device_process
-from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
-from .device_names import Names
-from . import process_settings as settings
-from .thread_device import SWITCH_INTERVAL
+from . import cpu_process as device_process
+from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
+from .names import Names
+from . import settings
+from .threads import SWITCH_INTERVAL
 
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
 GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated

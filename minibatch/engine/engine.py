@@ -32,18 +32,24 @@ import torch
 
 from .async_loop import async_step
 from .checks import MODES, check_generate
-from .device import get_device
-from .device_base import DeviceError, deferred_interrupts
-from .model import Model
-from .requests import Request, SamplingParams
+from ..devices import get_device
+from ..batching.kv_cache import PagedKVCache
+from ..batching.slots import SlotBuffers
+from ..devices.base import DeviceError, deferred_interrupts
+from ..devices.cpu_process import register_resident
+from ..model.model import Model
+from ..batching.requests import Request, SamplingParams
 from .memory import run_sizes
-from .scheduler import Scheduler
-from .slots import IOSlot
-from .step import CompiledStep, StepRunner
+from ..batching.scheduler import Scheduler
+from ..batching.slots import IOSlot
+from ..runner.compiled import CompiledStep
+from ..runner.graphs import StepRunner
 from .sync_loop import sync_step
-from .timeline import Timeline
+from ..timeline import Timeline
 
 STEPS = {"sync": sync_step, "async": async_step}
+# what the cpu device process keeps on its side once sent (or inherited at fork), as a GPU keeps them
+register_resident(Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
 
 
 class _Shape(NamedTuple):
@@ -176,7 +182,7 @@ class Engine:
         `timeout` bounds every host wait on the device (seconds; None or inf: no limit): a device that
         stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
         which prompt i reaches the server, to simulate requests arriving while the loop runs.
-        `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (step.py); "decode" keeps
+        `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (runner/graphs.py); "decode" keeps
         prefill and mixed steps eager and unpadded, as they were before they could be graphs.
         `compile=True` (CUDA only) runs decode steps through torch.compile first (step.CompiledStep).
         `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
@@ -272,7 +278,7 @@ class Engine:
         forked, so both go. Seen by each parameter's address and version (bumped by any in-place write)."""
         model = self.model
         if model.device.type == "cuda":
-            from . import siblings
+            from ..runner import siblings
 
             siblings.pack(model.hf)  # weights that moved are stacked again, as compiled steps expect
         seen = tuple((p.data_ptr(), _version(p)) for p in model.hf.parameters())

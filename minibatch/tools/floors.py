@@ -15,7 +15,7 @@ import time
 import torch
 
 from .bench import Result, _median  # (one median for every reported time)
-from .model import Model
+from ..model.model import Model
 
 
 def weight_floor_ms(model: Model, batch: int, repeats: int = 20) -> float:
@@ -166,3 +166,41 @@ def floor_report(model: Model, workload: dict, results: list[Result]) -> list[st
              f"prefill floor for {batch} x {workload['prompt_len']} prompt tokens: {prefill:.2f} ms"]
     lines += [f"{m}: decode step / floor {x:.2f}x" for m, x in workload["decode_step_over_floor"].items()]
     return lines
+
+
+def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) -> list[int]:
+    """Bytes the GPU's reserved memory grew by while capturing slot A's decode graph, then slot B's.
+
+    shared=True captures both into one pool (what the loops do); shared=False gives each graph its
+    own pool. The article's claim: with one pool, the second graph costs about nothing.
+    """
+    from ..batching.requests import Request
+    from ..batching.scheduler import Scheduler
+    from ..batching.slots import IOSlot, copy_in
+    from ..devices import get_device
+    from ..runner.graphs import StepRunner
+
+    block = 16
+    cache = model.make_cache(rows * (context // block + 2), block)
+    sched = Scheduler(cache.allocator, rows * (context + 1), rows)
+    for i in range(rows):
+        sched.add(Request(i, [1] * context, 4))
+    prefill = sched.schedule()
+    runner = StepRunner(model, cache, use_graphs=True)
+    with get_device(str(model.device)) as dev:
+        width = -(-(context + 2) // model.kv_bucket) * model.kv_bucket
+        slots = [IOSlot(dev, i, rows * (context + 1), max(cache.num_cells + model.kv_bucket, rows * width), rows)
+                 for i in range(2)]
+        slots[0].load(runner.build(prefill), [])
+        copy_in(slots[0].buffers, slots[0].used())
+        runner(slots[0].bind(None))  # prefill, eager
+        sched.update(prefill, [2] * rows)
+        decode = sched.schedule()
+        if not shared:
+            runner.pool = None  # torch then gives each capture a pool of its own
+        for slot, other in ((slots[0], slots[1]), (slots[1], slots[0])):
+            slot.load(runner.build(decode), [])
+            copy_in(slot.buffers, slot.used())
+            runner(slot.bind(other))  # eager run + capture
+        dev.synchronize()
+    return [c["reserved_growth"] for c in runner.captures]

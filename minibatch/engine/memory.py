@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from .batch import TENSOR_FIELDS, bucket
-from .step import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
-from .slots import EXTENT
+from ..batching.batch import TENSOR_FIELDS
+from ..batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from ..batching.slots import EXTENT
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 _cycles_per_second: dict[int, float] = {}
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
-from .device_base import Device
+from ..devices.base import Device
 
 INT_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "kv_indices", "kv_seq", "kv_pos",
               "logits_indices", "top_k", "seed", "counter")

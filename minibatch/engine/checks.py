@@ -16,43 +16,17 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from ..args import INT64_MAX, _bool, _int, _number
 from .memory import check_memory, run_sizes
-from .timeline import Timeline
+from ..timeline import Timeline
 
 MODES = ("sync", "async")
-DEVICES = ("cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGES = ("H2D", "compute", "D2H")
-INT64_MAX = 2**63 - 1  # seeds and top_k travel to the device as int64 (batch.py)
-
-
-def _int(name: str, value: Any, low: int | None = 1, high: int | None = None) -> int:
-    """An int (a Python or numpy integer, not a bool or a float such as 2.0) in [low, high]."""
-    allowed = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r} ({type(value).__name__})")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    return int(value)
-
-
-def _number(name: str, value: Any, allowed: str, ok=lambda v: True) -> float:
-    """A finite real number (ints accepted, bools and strings not) for which ok(value) holds."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def token_lists(prompts: Any, model) -> list[list[int]]:
@@ -133,7 +107,7 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
                    on_step, cuda_graphs, compile, num_slots, allow_races, inject_delays, timeout,
                    reusable_bytes: int = 0) -> GenerateArgs:
     """Check every argument of `generate` (see its docstring); raise TypeError/ValueError naming the first bad one."""
-    from .model import Model
+    from ..model.model import Model
 
     if not isinstance(model, Model):
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
@@ -216,80 +190,3 @@ def _delays(delays: Any) -> dict[str, float]:
     # a delay longer than timeout is allowed: it is how a stuck device is simulated (tests/test_faults.py)
     return {stage: _number(f"inject_delays[{stage!r}]", s, "of seconds >= 0", lambda v: v >= 0)
             for stage, s in delays.items()}
-
-
-# --- load_model ---------------------------------------------------------------------------------------
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'auto'/None -> cuda if available else cpu; 'cpu:0' -> cpu; anything else must be a present device."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', a torch.device or None, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'") from e
-    if dev.type not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: use one of {DEVICES} or 'auto'")
-    if dev.type == "cpu":
-        return torch.device("cpu")  # one CPU device: an index means nothing to the cpu backend
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this PyTorch build sees no CUDA GPU")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
-    return dev
-
-
-def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
-               builtin: tuple[str, ...]) -> tuple[torch.device, torch.dtype, int]:
-    """Check `load_model`'s arguments; return its device (normalized), dtype (default: a given model's own;
-    else float32 on the CPU, bfloat16 on a GPU) and seed. A folder's own files are checked as far as can be without loading it."""
-    from transformers import PreTrainedModel
-
-    if isinstance(name_or_model, PreTrainedModel):
-        check_causal_lm(name_or_model, type(name_or_model).__name__)
-    elif not isinstance(name_or_model, (str, os.PathLike)):
-        raise TypeError("load_model takes a name, a path or a transformers PreTrainedModel, "
-                        f"not {type(name_or_model).__name__}")
-    elif (path := os.fspath(name_or_model)) not in builtin:
-        if os.path.isfile(path):
-            raise ValueError(f"could not load model {path!r}: it is a file; give the folder that holds config.json "
-                             "and the weights")
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"could not load model {path!r}: the folder has no config.json")
-        if not os.path.isdir(path) and "/" not in path:
-            raise ValueError(f"unknown model {path!r}: not a built-in name ({', '.join(builtin)}), a local folder "
-                             "or a hub id of the form 'org/name'")
-    given = next(name_or_model.parameters()) if isinstance(name_or_model, PreTrainedModel) else None
-    if given is not None and (device is None or device == "auto"):
-        dev = given.device  # a model passed in keeps its device unless another is asked for
-    else:
-        dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None:  # "cuda" means the current GPU: compare like with like
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dtype is None and given is not None:
-        dtype = given.dtype  # ... and its dtype
-    elif dtype is None:
-        dtype = torch.float32
-        if dev.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    elif isinstance(dtype, str) and dtype in DTYPES:
-        dtype = DTYPES[dtype]
-    elif dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 (or their names as "
-                         f"strings) or None, got {dtype!r}")
-    return dev, dtype, _int("seed", seed, low=0, high=INT64_MAX)
-
-
-def check_causal_lm(hf, name: str) -> None:
-    """minibatch needs a decoder-only model with a language-modelling head (it samples from the logits)."""
-    cfg = getattr(hf, "config", None)
-    if not hf.can_generate() or getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(f"model {name!r} is a {type(hf).__name__}, which is not a decoder-only causal LM with a "
-                         "language-modelling head: load it with transformers.AutoModelForCausalLM")
-    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
-               if not isinstance(getattr(cfg, a, None), int)]
-    if missing:
-        raise ValueError(f"model {name!r}: its config has no {', '.join(missing)}, which minibatch sizes the KV "
-                         "cache from")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from .buckets import bucket
 from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
 from .requests import Request
@@ -103,11 +104,6 @@ def input_token(r: Request, pos: int) -> int:
     return out[k] if k < len(out) else 0  # no list copies
 
 
-def bucket(n: int, sizes: tuple[int, ...]) -> int:
-    """The smallest size in `sizes` that holds n (n itself if none does)."""
-    return next((b for b in sorted(sizes) if b >= n), n)
-
-
 def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode_layout: bool = False,
                 row_buckets: tuple[int, ...] = (), decode_bucket: int | None = None) -> Batch:
     """Flatten a plan into host tensors. Cost: O(chunks) Python work + numpy copies over T and K.
@@ -125,51 +121,15 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
     graphs (model.py says which sizes we use and why).
     """
-    chunks = plan.chunks
-    n = len(chunks)
-    bs = cache.block_size
-    if decode_layout and n and all(c.end - c.start == 1 and c.sample for c in chunks):
-        # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
-        starts_l = [c.start for c in chunks]
-        sampled = [c.request for c in chunks]
-        tables = [_table(r, bs, s + 1) for r, s in zip(sampled, starts_l)]
-        ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
-        starts = np.array(starts_l, np.int64)
-        ends, counts, sample = starts + 1, np.ones(n, np.int64), np.ones(n, bool)
-        decode = True
-    else:
-        # one pass over the chunks; everything else is numpy over whole arrays
-        ids: list[int] = []
-        tables, starts, ends, sample, sampled = [], [], [], [], []
-        for r, start, end, samples in chunks:
-            tables.append(_table(r, bs, end)), starts.append(start), ends.append(end), sample.append(samples)
-            prompt = r.prompt
-            if end <= len(prompt):  # (part of) the prompt: all known
-                ids.extend(prompt[start:end])
-            elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
-                ids.append(input_token(r, start))
-            else:
-                ids.extend(input_token(r, p) for p in range(start, end))
-            if samples:
-                sampled.append(r)
-        starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
-        counts = ends - starts
-        decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
+    n = len(plan.chunks)
+    tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.block_size, decode_layout)
     temp = [r.sampling.temperature for r in sampled]
     samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
             [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
     rows = bucket(n, row_buckets) if decode else n
-    pad = rows - n  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
-    if pad:
-        scratch = cache.scratch_cell
-        tables += [_scratch_table(scratch)] * pad
-        starts, ends, counts = (np.concatenate([a, np.full(pad, v, np.int64)]) for a, v in
-                                ((starts, 0), (ends, 1), (counts, 1)))
-        sample = np.concatenate([sample, np.ones(pad, bool)])
-        ids += [0] * pad
-        temp += [0.0] * pad
-        for column, v in zip(samp, (0, 1.0, 0, 0)):
-            column += [v] * pad
+    if rows > n:  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
+        starts, ends, counts, sample = _pad_rows(rows - n, cache.scratch_cell, tables, ids, temp, samp,
+                                                 starts, ends, counts, sample)
     first = np.cumsum(counts) - counts  # index of each chunk's first token
     q_seq = np.repeat(np.arange(rows), counts)
     positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
@@ -203,6 +163,52 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     )
 
 
+
+def _gather(chunks, bs: int, decode_layout: bool):
+    """One pass over the plan's chunks: block tables, input ids, start/end/count per chunk, which sample,
+    the requests that sample, and whether the step has the decode layout."""
+    n = len(chunks)
+    if decode_layout and n and all(c.end - c.start == 1 and c.sample for c in chunks):
+        # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
+        starts_l = [c.start for c in chunks]
+        sampled = [c.request for c in chunks]
+        tables = [_table(r, bs, s + 1) for r, s in zip(sampled, starts_l)]
+        ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
+        starts = np.array(starts_l, np.int64)
+        return tables, ids, starts, starts + 1, np.ones(n, np.int64), np.ones(n, bool), sampled, True
+    # one pass over the chunks; everything else is numpy over whole arrays
+    ids: list[int] = []
+    tables, starts, ends, sample, sampled = [], [], [], [], []
+    for r, start, end, samples in chunks:
+        tables.append(_table(r, bs, end)), starts.append(start), ends.append(end), sample.append(samples)
+        prompt = r.prompt
+        if end <= len(prompt):  # (part of) the prompt: all known
+            ids.extend(prompt[start:end])
+        elif end - start == 1:  # a decode token: the last output, or a placeholder while it is in flight
+            ids.append(input_token(r, start))
+        else:
+            ids.extend(input_token(r, p) for p in range(start, end))
+        if samples:
+            sampled.append(r)
+    starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
+    counts = ends - starts
+    decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
+    return tables, ids, starts, ends, counts, sample, sampled, decode
+
+
+def _pad_rows(pad: int, scratch: int, tables: list, ids: list, temp: list, samp: list, starts, ends, counts, sample):
+    """Append `pad` dummy decode rows (lists in place; the arrays are returned anew)."""
+    tables += [_scratch_table(scratch)] * pad
+    starts, ends, counts = (np.concatenate([a, np.full(pad, v, np.int64)]) for a, v in
+                            ((starts, 0), (ends, 1), (counts, 1)))
+    sample = np.concatenate([sample, np.ones(pad, bool)])
+    ids += [0] * pad
+    temp += [0.0] * pad
+    for column, v in zip(samp, (0, 1.0, 0, 0)):
+        column += [v] * pad
+    return starts, ends, counts, sample
+
+
 def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[int, ...], rows: int,
              max_tokens: int, max_keys: int) -> Batch:
     """A flat (prefill or mixed) batch padded to bucketed sizes, so that its step can be a CUDA graph.
@@ -219,7 +225,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
     Why: an eager prefill step of a small model is bound by the host launching ~1500 kernels one by
     one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
     replays the step with one launch. Padding costs compute (at most an eighth more tokens above 256
-    with the buckets of step.py, up to 32 tokens below) and a capture per new shape.
+    with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.
     """
     t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
     if batch.decode_rows or r > rows or not t:

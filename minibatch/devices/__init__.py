@@ -21,14 +21,14 @@ notebook 03; `s.sleep(seconds)` on the copying stream makes that happen every ti
 on `dev.default_stream` (the legacy default stream) and it waits for all earlier work on every stream,
 and all later work waits for it: concurrency gone (notebook 02).
 
-  cuda  thin wrappers over torch.cuda streams and events (cuda_device.py).
-  cpu          an emulated device in a process of its own (cpu_device.py): it computes beside the
+  cuda  thin wrappers over torch.cuda streams and events (devices/cuda.py).
+  cpu          an emulated device in a process of its own (devices/cpu.py): it computes beside the
                host, on another core, as a GPU does.
-  cpu-threads  the same device as worker threads of the host's interpreter (thread_device.py):
+  cpu-threads  the same device as worker threads of the host's interpreter (devices/threads.py):
                really concurrent, but sharing the host's GIL; device work may touch host objects.
 
 This module is the front door: it opens a backend. The interface both implement, and the errors,
-live in device_base.py, which imports no backend.
+live in devices/base.py, which imports no backend.
 
 Work writes its results into preallocated tensors (`dev.empty`, `dev.pin`); return values are dropped.
 A failure in device work is raised in the host as `DeviceError`; a wait past its timeout raises
@@ -46,10 +46,10 @@ import warnings
 
 import torch
 
-from .cpu_device import CpuDevice
-from .cuda_device import CudaDevice
-from .thread_device import ThreadDevice
-from .device_base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .cpu import CpuDevice
+from .cuda import CudaDevice
+from .threads import ThreadDevice
+from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 BACKENDS = ("cpu", "cpu-threads", "cuda")
 CPU_DEVICE_VAR = "MINIBATCH_CPU_DEVICE"  # "cpu-threads": every "cpu" device opens as threads

@@ -1,9 +1,9 @@
 """The device side of the `cpu` backend: a process that runs launched work on its own streams.
 
-The host (cpu_device.py) sends messages over a socket pair; this process owns what a GPU would own:
+The host (devices/cpu.py) sends messages over a socket pair; this process owns what a GPU would own:
 the model's weights (inherited when it was forked), the KV cache and the device side of the IO
 slots (shared memory), and the objects device work keeps using (sent once, then named). It runs
-the work on the thread engine of thread_device.py, one worker per stream, and answers with events
+the work on the thread engine of devices/threads.py, one worker per stream, and answers with events
 reached, spans and errors.
 
 Messages, host -> device (tuples, pickled with `Pickler` below; the host queues them and sends the
@@ -39,27 +39,27 @@ import socket
 import threading
 import time
 import traceback
-import weakref
 
 import cloudpickle
 import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
-from .device_base import DeviceError
-_RESIDENT: tuple[type, ...] | None = None
+from .base import DeviceError
+_RESIDENT: tuple[type, ...] = (torch.nn.Module,)
 _SIDE: "DeviceSide | None" = None  # the device process's state, for the rebuild functions below
 
 
-def resident_types() -> tuple[type, ...]:
-    """Objects that live on the device side: sent once (or inherited), named afterwards."""
+def register_resident(*types: type) -> None:
+    """Declare types whose objects live on the device side: sent once (or inherited at fork), named
+    afterwards, as a GPU keeps a model's weights or a KV cache. The layers above the devices register
+    theirs (the engine: the model, the KV cache, the step runner, the IO slots' device buffers); the
+    device layer itself knows only torch modules."""
     global _RESIDENT
-    if _RESIDENT is None:
-        from .kv_cache import PagedKVCache
-        from .model import Model
-        from .slots import SlotBuffers
-        from .step import CompiledStep, StepRunner
+    _RESIDENT += tuple(t for t in types if t not in _RESIDENT)
 
-        _RESIDENT = (torch.nn.Module, Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
+
+def resident_types() -> tuple[type, ...]:
+    """The types registered with `register_resident`."""
     return _RESIDENT
 
 
@@ -130,7 +130,7 @@ class DeviceSide:
     """State of the device process: storages, objects, events, the thread engine."""
 
     def __init__(self, conn, switch_interval: float, torch_threads: int) -> None:
-        from .thread_device import ThreadDevice
+        from .threads import ThreadDevice
 
         self.conn = conn
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # file descriptors come over it
@@ -141,9 +141,8 @@ class DeviceSide:
         self.events: dict[int, object] = {}
         self.sinks: dict[int, _SpanSink] = {}
         self.send_lock = threading.Lock()
-        self.dev = ThreadDevice(None, switch_interval, torch_threads)
-        self.dev._on_reached = lambda ev, seq: self.reply(("r", ev.key, seq))
-        self.dev._on_error = self.failed
+        self.dev = ThreadDevice(None, switch_interval, torch_threads,
+                                on_reached=lambda ev, seq: self.reply(("r", ev.key, seq)), on_error=self.failed)
         global _SIDE
         _SIDE = self
 
@@ -183,13 +182,7 @@ class DeviceSide:
             try:
                 msg = pickle.loads(item)
             except BaseException as exc:  # noqa: BLE001 — bad work must fail the device, not kill it
-                with self.dev._lock:
-                    first = self.dev._error is None
-                    if first:
-                        self.dev._error = (f"device work could not be unpacked: {type(exc).__name__}: {exc}", exc)
-                    self.dev._wake(everyone=True)
-                if first:
-                    self.failed(self.dev._error[0], exc)
+                self.dev.fail(f"device work could not be unpacked: {type(exc).__name__}: {exc}", exc)
                 continue
             try:
                 if not self.handle(msg):
@@ -243,10 +236,10 @@ def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=Non
             except OSError:  # (a sandbox that forbids it) pinning is a speed-up, not a requirement
                 pass
         torch.set_num_threads(torch_threads)
-        from . import process_settings, thread_device as td  # the host's bookkeeping, copied by the fork, is not ours
+        from . import settings as process_settings, threads as td  # the host's bookkeeping, copied by the fork, is not ours
 
         process_settings.start_afresh()
-        td._open = weakref.WeakSet()
+        td.forget_open_devices()
         side = DeviceSide(conn, switch_interval, torch_threads)
         side.reply(("k",))
         while True:

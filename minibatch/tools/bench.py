@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from .engine import Engine, generate
-from .model import Model
-from .timeline import Timeline
+from ..engine.engine import Engine, generate
+from ..model.model import Model
+from ..timeline import Timeline
 
 
 @dataclass
@@ -132,7 +132,7 @@ def hf_generate_batch(model: Model, prompts, max_new_tokens: int, use_async: boo
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from .attention import ATTN_NAME
+    from ..model.attention import ATTN_NAME
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     model.hf.set_attn_implementation("sdpa" if (major, minor) >= (5, 23) else "paged|sdpa")
@@ -171,7 +171,7 @@ def hf_in_own_process(model_name: str, device: str, prompts, max_new_tokens: int
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps(dict(model=model_name, device=device, prompts=[list(p) for p in prompts],
                                         max_new_tokens=max_new_tokens, config=config, warmup=warmup)))
-        proc = subprocess.run([sys.executable, "-m", "minibatch.bench", str(spec), str(out)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "minibatch.tools.bench", str(spec), str(out)], capture_output=True,
                               text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
@@ -181,7 +181,7 @@ def hf_in_own_process(model_name: str, device: str, prompts, max_new_tokens: int
 
 
 def _hf_child(spec_path: str, out_path: str) -> None:
-    from .model import load_model
+    from ..model.model import load_model
 
     spec = json.loads(Path(spec_path).read_text())
     model = load_model(spec["model"], device=spec["device"])

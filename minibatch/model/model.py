@@ -27,12 +27,12 @@ import transformers
 from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
-from .batch import Batch
-from .checks import check_causal_lm, check_load, resolve_device  # noqa: F401 (notebook 00 imports resolve_device)
-from .kv_cache import PagedKVCache
-from .sampling import sample
+from ..batching.batch import Batch
+from .checks import check_causal_lm, check_load
+from ..batching.kv_cache import PagedKVCache
+from ..batching.sampling import sample
 
-TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"
 
 _TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -98,7 +98,7 @@ class Model:
         if cuda:  # sibling projections' weights in one tensor each, for compiled steps (siblings.py); the
             # values do not change, and packing now, before any CUDA graph is captured, keeps every
             # graph pointing at weights that stay where they are
-            from . import siblings
+            from ..runner import siblings
 
             if siblings.pack(self.hf):
                 torch.cuda.empty_cache()  # (the weights' old blocks, free now)

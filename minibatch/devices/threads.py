@@ -27,7 +27,7 @@ Python's default 5 ms switch interval, 0.60 at 0.2 ms; but beside the tiny model
 which is mostly Python, 0.84-1.0 at any interval: host and device take turns. So while a device of
 this kind is open the interval is 0.2 ms and torch has one intra-op thread per spare core, set in
 every worker too (OpenMP/MKL thread counts are per thread), restored when the last one closes. The
-`cpu` backend (cpu_device.py) runs this same engine in a process of its own, where it has a GIL of
+`cpu` backend (devices/cpu.py) runs this same engine in a process of its own, where it has a GIL of
 its own. What threads do offer: device work can touch any host object, as notebooks 02-03 show.
 
 Interrupts: the host only takes C-level locks in `with` statements (an interrupt cannot land between
@@ -47,8 +47,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import process_settings as settings
-from .device_base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
+from . import settings
+from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
@@ -198,14 +198,7 @@ class ThreadStream(Stream):
                 if work.run is not None:
                     work.run()
             except BaseException as exc:  # noqa: BLE001 — any failure must reach the host, not kill the thread
-                with dev._lock:
-                    first = dev._error is None
-                    if first:
-                        dev._error = (f"device work {work.what!r} on stream {self.name!r} failed: "
-                                      f"{type(exc).__name__}: {exc}", exc)
-                    dev._wake(everyone=True)
-                if first and dev._on_error is not None:
-                    dev._on_error(dev._error[0], exc)
+                dev.fail(f"device work {work.what!r} on stream {self.name!r} failed: {type(exc).__name__}: {exc}", exc)
                 continue
             with dev._lock:
                 self._queue.popleft()
@@ -224,15 +217,17 @@ class ThreadDevice(Device):
     kind = "cpu-threads"
 
     def __init__(self, timeline=None, switch_interval: float = SWITCH_INTERVAL,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, on_reached: Callable[[ThreadEvent, int], None] | None = None,
+                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        """`on_reached(event, seq)` and `on_error(message, exc)` are called from the workers when an event
+        is reached and when the device first fails (the cpu device process reports both to its host)."""
         self.timeline = timeline
         # a C-level lock taken with `with`: a KeyboardInterrupt cannot leave it held (a Condition's
         # __enter__ is Python code, and an interrupt landing just after it took the lock did)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._settings_held = False
-        self._on_reached: Callable[[ThreadEvent, int], None] | None = None  # hooks for the device process
-        self._on_error: Callable[[str, BaseException], None] | None = None
+        self._on_reached, self._on_error = on_reached, on_error
         self._stop = threading.Event()
         self._closed = False
         self._error: tuple[str, BaseException] | None = None  # (message, the exception raised in the worker)
@@ -292,6 +287,17 @@ class ThreadDevice(Device):
             if s._thread is not threading.current_thread():
                 s._thread.join(timeout=join_timeout)  # a running fn cannot be interrupted
 
+    def fail(self, message: str, exc: BaseException) -> None:
+        """The device failed (sticky): every wait and launch raises DeviceError from now on. Only the first
+        failure is kept and reported to `on_error`."""
+        with self._lock:
+            first = self._error is None
+            if first:
+                self._error = (message, exc)
+            self._wake(everyone=True)
+        if first and self._on_error is not None:
+            self._on_error(message, exc)
+
     # --- helpers, called with self._lock held -------------------------------------------------------
     def _wake(self, everyone: bool = False) -> None:
         """After work completed (or the device failed or closed): wake the host's waits, and the
@@ -322,6 +328,12 @@ class ThreadDevice(Device):
                 return
             self._cv.wait(time_left(deadline, timeout, what))
 
+
+
+def forget_open_devices() -> None:
+    """In a forked child: the parent's devices, copied by the fork, are not this process's to close."""
+    global _open
+    _open = weakref.WeakSet()
 
 
 @atexit.register

@@ -1,7 +1,7 @@
 """The device interface: what every backend offers (notebooks 02, 03).
 
 Streams, events and a device, as abstract classes, and the two errors a device raises. Backends
-(`cuda_device.py`, `cpu_device.py`) implement them; `device.py` opens one. This module imports no
+(`devices/cuda.py`, `devices/cpu.py`) implement them; `devices/__init__.py` opens one. This module imports no
 backend, so a backend can import it without a cycle.
 """
 

@@ -1,0 +1,14 @@
+"""One model's engine: its run configuration, its loops and the checks before a run.
+
+Above: the tools (and the server). Below: everything else.
+
+    engine.py      Engine: device, KV cache, IO slots, step runner and graphs; start/step/finish   00
+    checks.py      generate's argument checks, one pass before any work                            00
+    memory.py      the run's sizes and whether they fit in free memory                             00
+    sync_loop.py   one step of the synchronous loop: prepare, launch, wait, update                 01
+    async_loop.py  one step of the asynchronous loop: launch N+1, then wait for N                  06
+"""
+
+from .engine import Engine, generate
+
+__all__ = ["Engine", "generate"]

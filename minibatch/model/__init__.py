@@ -1,0 +1,14 @@
+"""A transformers causal LM, plugged into the paged KV cache.
+
+Above: the engine. Below: batching (the batch's metadata, the KV cache, sampling) and the argument helpers.
+
+    model.py          load_model and Model: one model on one device, set up for minibatch          00
+    checks.py         load_model's checks: arguments, decoder-only LM, config sizes                00
+    attention.py      the paged attention function registered with transformers; the choices    00, 07
+    triton_decode.py  the Triton decode kernel that reads the KV cache in place                    07
+    tokenizer.py      the tiny model's byte-level tokenizer                                        00
+"""
+
+from .model import Model, load_model
+
+__all__ = ["Model", "load_model"]

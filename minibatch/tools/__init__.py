@@ -1,0 +1,6 @@
+"""Measuring and the command line (notebook 07, README).
+
+    bench.py   sync and async side by side in one process; transformers in a process of its own
+    floors.py  the hardware's floor under a step, measured on this machine; pool memory of graphs
+    cli.py     `python -m minibatch demo | bench`
+"""

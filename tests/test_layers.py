@@ -1,0 +1,151 @@
+"""The package's layers, read from its imports: each layer imports only itself and the layers below it,
+and no module takes part in an import cycle (README, "The package map").
+
+Imports inside functions count (they run sooner or later); imports under `if TYPE_CHECKING:` do not
+(they never run). The package's own `__init__.py` files may re-export from their subpackage.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "minibatch"
+# bottom to top; a module at the package's top level that is not listed here is a failure below
+LAYERS = ["base", "devices", "batching", "runner", "model", "engine", "serving", "tools"]
+BASE = {"timeline", "args", "compat"}  # top-level modules every layer may use
+ENTRY = {"__init__", "__main__"}  # the package's front doors: they may import any layer
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None  # minibatch itself
+    if len(parts) == 2 and parts[1] in BASE:
+        return "base"
+    if len(parts) == 2 and parts[1] in ENTRY:
+        return None
+    return parts[1] if parts[1] in LAYERS else "unknown"
+
+
+def _type_checking_nodes(tree) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules `path` imports (resolved to modules, not names inside them)."""
+    me = module_name(path)
+    package = me if path.stem == "__init__" else me.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        for t in targets:
+            while t and t not in modules:
+                t = t.rsplit(".", 1)[0] if "." in t else ""
+            if t and t != me:
+                found.add(t)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = sorted(PKG.rglob("*.py"))
+    modules = {module_name(p) for p in files}
+    return {module_name(p): imports(p, modules) for p in files}
+
+
+def test_every_module_sits_in_a_layer():
+    unknown = [m for m in graph() if layer_of(m) == "unknown"]
+    assert not unknown, f"modules outside the layers {LAYERS} (or the base modules {sorted(BASE)}): {unknown}"
+
+
+def test_no_import_runs_up_the_layers():
+    bad = []
+    for mod, targets in graph().items():
+        mine = layer_of(mod)
+        if mine is None or mine == "unknown":
+            continue
+        for t in targets:
+            theirs = layer_of(t)
+            if theirs is None:
+                bad.append(f"{mod} imports the package's front door {t}")
+            elif theirs != "unknown" and LAYERS.index(theirs) > LAYERS.index(mine):
+                bad.append(f"{mod} ({mine}) imports {t} ({theirs})")
+    assert not bad, "imports that run up the layers:\n" + "\n".join(bad)
+
+
+def test_the_devices_import_nothing_above_them():
+    for mod, targets in graph().items():
+        if layer_of(mod) == "devices":
+            assert all(layer_of(t) in ("base", "devices") for t in targets), (mod, targets)
+
+
+def test_no_import_cycle():
+    edges = graph()
+    # __init__ files that re-export their own subpackage would make every cycle through them look
+    # like one; they import only downwards (checked above), so leave them out of the cycle search
+    edges = {m: {t for t in ts if not (PKG / Path(*t.split(".")[1:]) / "__init__.py").exists()}
+             for m, ts in edges.items()}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_layer_test_sees_a_violation(tmp_path):
+    """The checks above would pass on a package with no imports at all: make sure they read imports."""
+    edges = graph()
+    assert "minibatch.devices.base" in edges["minibatch.devices.cpu"]
+    assert "minibatch.runner.launch" in edges["minibatch.engine.sync_loop"]
+    assert any(t.startswith("minibatch.batching") for t in edges["minibatch.runner.graphs"])
+
+
+def test_functions_are_short():
+    """A function a reader holds in one sitting: none over 80 lines."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "functions over 80 lines:\n" + "\n".join(long)
+
+
+def test_every_subpackage_opens_with_its_map():
+    for init in sorted(PKG.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        modules = {p.name for p in init.parent.glob("*.py")} - {"__init__.py"}
+        missing = [m for m in modules if m not in doc]
+        assert not missing, f"{init.relative_to(ROOT)}: its docstring map does not name {missing}"
