@@ -284,3 +284,23 @@ def check_07(async_over_sync) -> None:
             f"async_over_sync({h}, {d}) = {got:.4f}, expected {want(h, d):.4f}: the sync loop pays host + device "
             "every step; the async loop prepares step n+1 on the host while the device runs step n")
     print("✓ correct")
+
+
+def check_08(latencies) -> None:
+    """latencies(arrival, token_times) -> (ttft, itl): seconds to the first token, gaps between tokens."""
+    if _not_yet(latencies, "latencies"):
+        return
+    cases = [(10.0, [10.5, 10.6, 10.85, 11.0], 0.5, [0.1, 0.25, 0.15]),
+             (2.0, [2.25], 0.25, []),
+             (0.0, [0.3, 0.3, 0.9], 0.3, [0.0, 0.6])]
+    for arrival, times, ttft, itl in cases:
+        got = latencies(arrival, list(times))
+        assert isinstance(got, tuple) and len(got) == 2, "return a pair (ttft, itl)"
+        got_ttft, got_itl = got
+        assert abs(got_ttft - ttft) < 1e-9, (f"arrival {arrival}, tokens at {times}: TTFT should be {ttft} s, got "
+                                            f"{got_ttft} (from the arrival to the first token, not to the last)")
+        got_itl = list(got_itl)
+        assert len(got_itl) == len(itl), (f"{len(times)} tokens have {len(itl)} gaps between them, got {len(got_itl)} "
+                                          "(the wait before the first token is TTFT, not a gap between tokens)")
+        assert all(abs(g - e) < 1e-9 for g, e in zip(got_itl, itl)), f"gaps should be {itl}, got {got_itl}"
+    print("✓ correct")

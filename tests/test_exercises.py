@@ -156,6 +156,18 @@ def ratio_inverted(host, device):
     return 1 / solution("07_does_it_work", "async_over_sync")(host, device)
 
 
+def latencies_to_last(arrival, times):  # TTFT measured to the last token
+    return times[-1] - arrival, [b - a for a, b in zip(times, times[1:])]
+
+
+def latencies_gap_from_arrival(arrival, times):  # the wait before the first token counted as a gap
+    return times[0] - arrival, [b - a for a, b in zip([arrival] + times, times)]
+
+
+def latencies_from_zero(arrival, times):  # TTFT as the first token's clock time
+    return times[0], [b - a for a, b in zip(times, times[1:])]
+
+
 CASES = [  # (check, solution module, name, wrong answers)
     ("check_00", "00_welcome", "count_until_eos",
      [lambda model, prompt, seed: 200, count_without_eos, count_greedy, count_without_the_eos_token]),
@@ -168,6 +180,7 @@ CASES = [  # (check, solution module, name, wrong answers)
     ("check_05", "05_carry_over", "scatter_carry_over", [scatter_in_place, scatter_with_host_loop, scatter_all_rows]),
     ("check_06", "06_the_full_async_loop", "compute_gaps", [gaps_unsorted, gaps_every_span, gaps_negative]),
     ("check_07", "07_does_it_work", "async_over_sync", [ratio_same_step, ratio_device_only, ratio_inverted]),
+    ("check_08", "08_serving", "latencies", [latencies_to_last, latencies_gap_from_arrival, latencies_from_zero]),
 ]
 
 

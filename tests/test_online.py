@@ -322,3 +322,17 @@ def test_arrivals_are_marked_on_the_timeline(tiny):
         engine.submit("y", max_new_tokens=3).wait(30)
     assert [label for _, label in tl.marks] == ["request 0", "request 1"]
     assert tl.marks[0][0] < tl.marks[1][0] and minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_online_equals_offline_on_the_gpu(mode):
+    """The same random workloads on a GPU, CUDA graphs on, in float32 (in bf16 a matrix product's
+    rounding can depend on the batch's shape, so near-tied logits may flip)."""
+    import torch
+
+    model = minibatch.load_model("tiny", device="cuda", dtype=torch.float32)
+    for seed in range(3):
+        work, limits = random_workload(random.Random(seed), model.tokenizer)
+        check_workload(model, work, limits, mode, seed)

@@ -2,5 +2,6 @@
 
     bench.py   sync and async side by side in one process; transformers in a process of its own
     floors.py  the hardware's floor under a step, measured on this machine; pool memory of graphs
+    online.py  Poisson arrivals at a serving engine: TTFT and inter-token latency, sync against async (08)
     cli.py     `python -m minibatch demo | bench`
 """
