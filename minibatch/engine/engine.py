@@ -210,10 +210,13 @@ class Engine:
             try:
                 run = self._open(a.config, requests, timeline, on_step)
                 loop = Loop(self, run)  # the turns a serving thread runs, here in the caller's thread
-                while run.scheduler.has_work():
-                    finished = loop.turn()
-                    if bar is not None and finished:
-                        bar.update(finished)
+                try:
+                    while run.scheduler.has_work():
+                        finished = loop.turn()
+                        if bar is not None and finished:
+                            bar.update(finished)
+                finally:
+                    loop.detach()
                 self.finish()
             except BaseException:
                 self._abandon()
@@ -259,6 +262,7 @@ class Engine:
             finally:
                 loop, self.loop = self.loop, None
                 loop.close()
+                loop.detach()
                 if loop.error is None:
                     self.finish()
                 else:

@@ -157,6 +157,12 @@ class Loop:
                 stream.put(Chunk([], "", "cancelled"), now)
         self.streams.clear()
 
+    def detach(self) -> None:
+        """Let go of the run: it holds the step runner's CUDA graphs, which must be freed when the engine
+        drops them, not whenever the garbage collector meets a reference cycle (a graph freed in the
+        middle of another graph's capture invalidates that capture)."""
+        self.run.listener = None
+
     def close(self) -> None:
         """Stop the thread (the step in flight completes first) and end every open stream."""
         with self.cond:
