@@ -219,13 +219,14 @@ class CpuDevice(Device):
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Device memory: shared memory, registered with the device process once."""
         self._check()
-        t = torch.empty(shape, dtype=dtype)
-        if t.numel() == 0:
-            return t
         try:
+            t = torch.empty(shape, dtype=dtype)
+            if t.numel() == 0:
+                return t
             t.share_memory_()
         except RuntimeError as exc:
-            raise _no_shared_memory(t.untyped_storage().nbytes(), exc) from None
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            raise _no_shared_memory(nbytes, exc) from None
         storage = t.untyped_storage()
         _, nbytes = storage._share_fd_cpu_()
         key = self._names.new_key()

@@ -102,6 +102,9 @@ class GenerateArgs(NamedTuple):
     rows: int
 
 
+DEFAULT_BLOCK_SIZE = 16  # generate's default, which a model with a shorter context shrinks
+
+
 def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, top_p, seed, eos_token_id,
                    timeline, max_batch_size, max_batch_tokens, block_size, num_blocks, progress, arrival_steps,
                    on_step, cuda_graphs, compile, num_slots, allow_races, inject_delays, timeout,
@@ -116,7 +119,7 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
     cuda = model.device.type == "cuda"
     max_new_tokens = _int("max_new_tokens", max_new_tokens)
     max_batch_tokens = _int("max_batch_tokens", max_batch_tokens)
-    block_size = _int("block_size", block_size, high=model.max_positions or None)  # a block serves one request
+    block_size = _block_size(block_size, model.max_positions)
     max_batch_size = min(32, max_batch_tokens) if max_batch_size is None else _int("max_batch_size", max_batch_size)
     if max_batch_tokens < max_batch_size:
         raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
@@ -169,6 +172,20 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
     return GenerateArgs(token_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, arrival_steps,
                         max_batch_size, max_batch_tokens, block_size, sizes[0], num_slots, cuda_graphs, delays,
                         timeout, *sizes[1:])
+
+
+def _block_size(block_size: Any, context: int | None) -> int:
+    """A block serves one request, so it holds at most the model's context. The default (16) shrinks to a
+    shorter context; any other size beyond it is refused, naming the context as the limit."""
+    if block_size == DEFAULT_BLOCK_SIZE and not isinstance(block_size, bool) and context and context < block_size:
+        return context
+    try:
+        return _int("block_size", block_size, high=context or None)
+    except ValueError as exc:
+        if context and isinstance(block_size, numbers.Integral) and block_size > context:
+            raise ValueError(f"{exc}: the model's context (max_position_embeddings={context}) is the limit, as a "
+                             "KV block serves one request") from None
+        raise
 
 
 def _timeout(timeout: Any) -> float | None:
