@@ -326,6 +326,7 @@ CLI_CASES = [
     (["demo", "--out", "/dev/null/x"], "--out '/dev/null/x' cannot be written"),
     (["bench", "--out", "/dev/null/x", "--device", "cpu"], "--out '/dev/null/x' cannot be written"),
     (["bench", "--device", "tpu"], "unknown device 'tpu'"),
+    (["bench", "--hf-modes", "sync_eager"], "--hf-modes picks transformers' modes: it needs --hf"),
     (["bench", "--model", "random-llama", "--device", "cpu", "--max-batch-tokens", str(10**11),
       "--max-batch-size", str(10**11)], "Lower max_batch_tokens"),
 ]
@@ -352,3 +353,98 @@ def test_cli_broken_model_folder_is_one_line(good_folder, tmp_path):
     path = hostile(good_folder, tmp_path, write("model.safetensors", b"garbage"))
     r = cli("bench", "--model", str(path), "--device", "cpu", "--no-progress")
     one_error_line(r.returncode, r.stderr, f"error: could not load model '{path}': SafetensorError")
+
+
+# --- hostile folders, limits of the machine ------------------------------------------------------------
+
+def set_config(**changes):
+    def change(path):
+        config = json.loads((path / "config.json").read_text())
+        config.update(changes)
+        (path / "config.json").write_text(json.dumps(config))
+    return change
+
+
+def test_a_config_too_large_for_memory_is_refused_before_allocating(good_folder, tmp_path):
+    path = hostile(good_folder, tmp_path, set_config(num_hidden_layers=10**7))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"could not load model .*10000000 layers.* GB .* GB are free"):
+        minibatch.load_model(str(path), device="cpu")
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_model_with_a_short_context_generates_with_the_default_block_size(good_folder, tmp_path):
+    path = hostile(good_folder, tmp_path, set_config(max_position_embeddings=8))
+    model = minibatch.load_model(str(path), device="cpu")
+    assert len(minibatch.generate(model, [[1, 2, 3]], max_new_tokens=4)[0]) == 4
+    with pytest.raises(ValueError, match=r"block_size .*got 9.*max_position_embeddings=8"):
+        minibatch.generate(model, [[1, 2, 3]], max_new_tokens=4, block_size=9)
+
+
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(good_folder, tmp_path):
+    import shutil
+
+    def change(path):
+        shutil.copy(path / "model.safetensors", tmp_path / "outside.safetensors")
+        (path / "model.safetensors").rename(path / "inside.safetensors")
+        names = json.loads((path / "config.json").read_text())  # any key: the refusal comes first
+        index = {"metadata": {}, "weight_map": {"lm_head.weight": "inside.safetensors",
+                                                "model.norm.weight": "../outside.safetensors"}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        assert names
+    path = hostile(good_folder, tmp_path, change)
+    with pytest.raises(ValueError, match=r"names the shard '\.\./outside\.safetensors', outside the folder"):
+        minibatch.load_model(str(path), device="cpu")
+
+
+def test_a_missing_path_or_a_symlink_loop_is_no_such_folder(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for path in (str(tmp_path / "absent" / "model"), str(loop), "./absent"):
+        with pytest.raises(ValueError, match="no such folder"):
+            minibatch.load_model(path, device="cpu")
+
+
+def test_nan_weights_are_reported(good_folder, tmp_path):
+    def change(path):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.fill_(float("nan"))
+        hf.save_pretrained(path)
+    path = hostile(good_folder, tmp_path, change)
+    with pytest.warns(UserWarning, match="NaN or infinite weights"):
+        minibatch.load_model(str(path), device="cpu")
+
+
+UNDER_LIMIT = """
+import os, resource, sys, glob
+import minibatch
+from minibatch.devices import get_device
+model = minibatch.load_model("tiny")
+with open("/proc/self/status") as f:
+    used = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (used + 600 * 2**20, resource.RLIM_INFINITY))
+try:
+    minibatch.generate(model, [[1, 2, 3]], max_new_tokens=2, num_blocks=200000)
+except ValueError as e:
+    print("check:", e)
+before = set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+dev = get_device("cpu")
+try:
+    dev.empty((10**8,), dtype=__import__("torch").float32)  # fits once, not twice: the shared copy fails
+except ValueError as e:
+    print("alloc:", e)
+print("left:", sorted(set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*")) - before))
+dev.close()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /dev/shm as on Linux")
+def test_an_address_space_limit_is_a_clear_error_and_leaves_nothing_in_dev_shm():
+    r = subprocess.run([sys.executable, "-c", UNDER_LIMIT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"check: this run needs about .* GB of host memory.*Lower num_blocks", r.stdout), r.stdout
+    assert re.search(r"alloc: the cpu device could not allocate 0\.40 GB of shared memory.*Lower num_blocks",
+                     r.stdout), r.stdout + r.stderr
+    assert "left: []" in r.stdout, r.stdout

@@ -140,3 +140,38 @@ def test_generate_gives_the_same_tokens_with_and_without_the_sort(random_llama):
     for mode in ("sync", "async"):
         assert (minibatch.generate(random_llama, work, mode=mode, **kw)
                 == minibatch.generate(random_llama, work, mode=mode, top_k=random_llama.vocab_size, **kw))
+
+
+def test_seeds_equal_modulo_2_32_give_different_noise():
+    big = [5, 5 + 2**32, 5 + 2**40, 2**63 - 1, 2**63 - 1 - 2**32, 2**32 - 1, 2**32, 0]
+    u = uniform_noise(torch.tensor(big), torch.zeros(len(big), dtype=torch.long), 64)
+    assert len({tuple(row.tolist()) for row in u}) == len(big)
+
+
+def test_seeds_below_2_32_keep_their_stream():
+    # the stream of a seed < 2**32, as the hash of the low 32 bits alone gives it (stored outputs stay valid)
+    from minibatch.batching.sampling import _M32, _mix32
+    seed, counter = torch.tensor([0, 5, 2**32 - 1]), torch.tensor([0, 3, 9])
+    key = _mix32(_mix32(seed & _M32) ^ ((counter * 0x2545F491) & _M32))
+    v = torch.arange(32)
+    h = _mix32(key[:, None] ^ ((v[None, :] * 0x27D4EB2D) & _M32))
+    assert torch.equal(uniform_noise(seed, counter, 32), ((h >> 9).to(torch.float32) + 0.5) / float(1 << 23))
+
+
+def test_no_two_seeds_in_a_sample_of_the_range_share_a_stream():
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(0, 2**62, (3000,), generator=g) * 2 + torch.randint(0, 2, (3000,), generator=g),
+                       torch.arange(2**32 - 8, 2**32 + 8), torch.arange(2000)]).unique()
+    u = uniform_noise(seeds, torch.zeros(len(seeds), dtype=torch.long), 4)
+    assert len({tuple(row.tolist()) for row in u}) == len(seeds)
+
+
+def test_request_seeds_across_2_32_sample_differently(random_llama):
+    # request i samples with seed + i: with seed 2**32 - 1, request 1 must not repeat seed 0's request 0
+    prompt = [1, 2, 3]
+    kw = dict(max_new_tokens=8, temperature=1.0)
+    wrap = minibatch.generate(random_llama, [prompt, prompt], seed=2**32 - 1, **kw)
+    zero = minibatch.generate(random_llama, [prompt], seed=0, **kw)
+    assert wrap[1] != zero[0]
+    assert minibatch.generate(random_llama, [prompt], seed=5, **kw) != minibatch.generate(
+        random_llama, [prompt], seed=5 + 2**32, **kw)

@@ -33,8 +33,15 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] float32 uniforms in (0, 1), a pure function of (seed[r], counter[r], v)."""
-    key = _mix32(_mix32(seed & _M32) ^ ((counter * 0x2545F491) & _M32))  # [R]
+    """[R, V] float32 uniforms in (0, 1), a pure function of (seed[r], counter[r], v).
+
+    Every bit of a seed counts: the high 32 bits are hashed on their own and folded into the low
+    bits' hash. Both hashes map 0 to 0 and are one-to-one, so seeds below 2**32 keep the stream they
+    have always had, and two seeds equal modulo 2**32 never share a stream (request i of a run samples
+    with seed + i, which crosses 2**32 for a seed just below it).
+    """
+    low = _mix32(seed & _M32) ^ _mix32(((seed >> 32) * 0x61C88647) & _M32)  # (seeds are >= 0, checks.py)
+    key = _mix32(low ^ ((counter * 0x2545F491) & _M32))  # [R]
     v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
     h = _mix32(key[:, None] ^ ((v[None, :] * 0x27D4EB2D) & _M32))  # [R, V]
     # 23 bits: (2**23 - 0.5) / 2**23 is the largest value and still below 1.0 in float32; with 24 bits the

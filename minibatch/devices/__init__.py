@@ -27,6 +27,9 @@ and all later work waits for it: concurrency gone (notebook 02).
   cpu-threads  the same device as worker threads of the host's interpreter (devices/threads.py):
                really concurrent, but sharing the host's GIL; device work may touch host objects.
 
+  lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
+  limits.py     how much memory this process may still allocate (free memory, ulimit, cgroup).
+
 This module is the front door: it opens a backend. The interface both implement, and the errors,
 live in devices/base.py, which imports no backend.
 
@@ -62,7 +65,8 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     this process) or "cuda"/"cuda:N" (a GPU).
 
     "cpu" falls back to "cpu-threads", with a warning, where no device process can run: on a platform
-    that cannot fork (Windows), and in a process that has started CUDA. The environment variable
+    that cannot fork (Windows), in a daemonic process (a multiprocessing.Pool worker), and in a process
+    that has started CUDA. The environment variable
     MINIBATCH_CPU_DEVICE=cpu-threads makes every "cpu" device threads (for a machine where the device
     process fails).
 
@@ -81,6 +85,10 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
         # file descriptors over a Unix socket: neither exists there
         return _threads_instead("this platform cannot fork, so the cpu device cannot start a device process",
                                 timeline, thread_options)
+    if name == "cpu" and multiprocessing.current_process().daemon:
+        # (a multiprocessing.Pool worker) a daemonic process may not start processes of its own
+        return _threads_instead("this is a daemonic process (a multiprocessing.Pool worker, say), which may not "
+                                "start one, so the cpu device cannot fork a device process", timeline, thread_options)
     if name == "cpu" and torch.cuda.is_initialized():
         # a forked child of a process that has started CUDA cannot touch CUDA again (it dies with
         # "CUDA error: initialization error" as soon as torch asks for a device): on a GPU machine

@@ -32,6 +32,15 @@ Needs the `fork` start method (Linux, macOS): constructed where there is none it
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
 devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel
 unusable: the device then counts as failed (sticky, like any device error) and is closed.
+
+Lifecycle guarantees (devices/lifecycle.py says how):
+- the device process ends within a moment of its host, however the host ends (SIGKILL, SIGTERM,
+  `os._exit`, a crash): it watches a pipe only the host holds, and on Linux the kernel also signals it;
+- a fork of the host (`os.fork`, a `multiprocessing` worker) inherits the device marked as the
+  parent's: using it there raises DeviceError ("open a new Engine in this process"), and the child's
+  exit closes nothing of the parent's; the parent is never affected;
+- a shared-memory allocation that does not fit (a memory limit) is a ValueError and leaves nothing
+  in /dev/shm.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import atexit
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import time
@@ -49,6 +59,7 @@ from multiprocessing import reduction  # its sendfds exists only where Unix sock
 import torch
 
 from . import cpu_process as device_process
+from . import lifecycle
 from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 from .names import Names
 from . import settings
@@ -147,25 +158,32 @@ class CpuDevice(Device):
         t0 = time.perf_counter()
         self._names = Names(inherit)  # what the device process holds, and how work's objects travel
         ctx = multiprocessing.get_context("fork")
+        self._opener = os.getpid()
         self._conn, child = ctx.Pipe(duplex=True)  # a socket pair: it also carries file descriptors
         self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # for sending file descriptors
+        # the device reads end-of-file here once the host is gone; forks close their copies of the
+        # write end (_left_in_fork), so that only this process holds it
+        alive_r, self._alive_w = os.pipe()
+        watch = (os.getpid(), alive_r, lifecycle.parent_death_signal_possible())
         self._proc = ctx.Process(target=device_process.serve, name="minibatch-device", daemon=True,
-                                 args=(child, self._conn, switch_interval, torch_threads, device_cores))
+                                 args=(child, self._conn, switch_interval, torch_threads, device_cores, watch))
         try:  # from here on, whatever happens, close() leaves nothing behind
             with deferred_interrupts():  # a half-opened device could not be closed cleanly
-                self._start(child)
+                self._start(child, alive_r)
         except BaseException:
             child.close()
+            _close_fd(alive_r)
             self.close()
             raise
         self.startup_seconds = time.perf_counter() - t0
         self.default_stream = self.stream("default")
         self.set_timeline(timeline)
 
-    def _start(self, child) -> None:
+    def _start(self, child, alive_r: int) -> None:
         _open.add(self)
         self._proc.start()
         child.close()
+        os.close(alive_r)
         # the host's torch work (building batches) gets one thread: a second one would wait for a core
         # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
         settings.TORCH_THREADS.hold(1)
@@ -201,10 +219,14 @@ class CpuDevice(Device):
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Device memory: shared memory, registered with the device process once."""
         self._check()
-        t = torch.empty(shape, dtype=dtype)
-        if t.numel() == 0:
-            return t
-        t.share_memory_()
+        try:
+            t = torch.empty(shape, dtype=dtype)
+            if t.numel() == 0:
+                return t
+            t.share_memory_()
+        except RuntimeError as exc:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            raise _no_shared_memory(nbytes, exc) from None
         storage = t.untyped_storage()
         _, nbytes = storage._share_fd_cpu_()
         key = self._names.new_key()
@@ -243,6 +265,7 @@ class CpuDevice(Device):
         if proc.pid is None:  # never started
             self._conn.close()
             self._sock.close()
+            self._alive_w = _close_fd(self._alive_w)
             return
         try:
             if not self._broken:
@@ -264,7 +287,25 @@ class CpuDevice(Device):
             proc.close()
             self._conn.close()
             self._sock.close()
+            self._alive_w = _close_fd(self._alive_w)
             self._fds = []
+
+    def _left_in_fork(self) -> None:
+        """In a fork of the host: this device is the parent's. Unusable here, closed by nobody here;
+        our copies of the host's ends are closed, so that only the parent keeps the device alive."""
+        self._error = (lifecycle.opener_message(self._opener), None)
+        self._broken = self._closed = True
+        self._holds_threads = False  # (settings.py puts this process's settings back)
+        for end in (self._conn, self._sock):
+            try:
+                end.close()
+            except OSError:
+                pass
+        self._alive_w = _close_fd(self._alive_w)
+        self._fds, self._queue = [], []
+        # multiprocessing would terminate and join the parent's device process at this process's exit
+        # ("can only join a child process"): it is not our child
+        getattr(multiprocessing.process, "_children", set()).discard(self._proc)
 
     # --- messages -------------------------------------------------------------------------------------
     def _send_work(self, msg, what: str) -> None:
@@ -399,6 +440,28 @@ def _unreachable(why: str, hint: bool = False) -> str:
     return f"the device process cannot be reached any more ({why}); open a new device.{tail}"
 
 
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return None
+
+
+def _no_shared_memory(nbytes: int, exc: RuntimeError) -> ValueError:
+    """A shared-memory allocation that failed (a memory limit): remove the file torch left, say what to lower."""
+    # torch names the file it created in /dev/shm and leaves it there when mmap fails after creating it
+    for name in re.findall(r"<(/torch_[^<>/]+)>", str(exc)):
+        try:
+            os.unlink("/dev/shm" + name)
+        except OSError:
+            pass
+    return ValueError(f"the cpu device could not allocate {nbytes / 1e9:.2f} GB of shared memory "
+                      f"({' '.join(str(exc).split())}): a memory limit (ulimit -v, a container's cgroup) or a "
+                      "full /dev/shm. Lower num_blocks (the KV cache) or max_batch_tokens (the IO slots)")
+
+
 def _signal_name(number: int) -> str:
     try:
         return f"{number} ({signal.Signals(number).name})"
@@ -410,3 +473,12 @@ def _signal_name(number: int) -> str:
 def _close_all() -> None:
     for dev in list(_open):
         dev.close()
+
+
+def _after_fork_in_child() -> None:
+    for dev in list(_open):
+        dev._left_in_fork()
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

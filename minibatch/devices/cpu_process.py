@@ -45,6 +45,7 @@ import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
 from .base import DeviceError
+from . import lifecycle
 _RESIDENT: tuple[type, ...] = (torch.nn.Module,)
 _SIDE: "DeviceSide | None" = None  # the device process's state, for the rebuild functions below
 
@@ -224,11 +225,16 @@ class DeviceSide:
         return True
 
 
-def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=None) -> None:
-    """The device process's main loop (the target of the forked process); never returns normally."""
+def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=None, watch=None) -> None:
+    """The device process's main loop (the target of the forked process); never returns normally.
+
+    `watch`: (the host's pid, the read end of its alive pipe, whether to ask for the parent-death
+    signal): this process ends when the host does (devices/lifecycle.py)."""
     code = 0
     try:
         host_conn.close()  # our copy of the host's end: the host's exit must reach us as end-of-file
+        if watch is not None:
+            lifecycle.die_with_host(*watch)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle; it then closes us
         if cores:  # this process and the threads it starts stay off the host's core
             try:

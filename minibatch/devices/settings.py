@@ -10,6 +10,7 @@ sets it, the last puts back what was there before the first.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any, Callable
@@ -41,6 +42,17 @@ class ProcessSetting:
 
 SWITCH = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
 TORCH_THREADS = ProcessSetting(torch.get_num_threads, torch.set_num_threads)
+
+
+def _after_fork_in_child() -> None:
+    """A fork of a process with devices open has none of them: what they held goes back to what it was."""
+    for setting in (SWITCH, TORCH_THREADS):
+        if setting._holders:
+            setting._set(setting._saved)
+    start_afresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def start_afresh() -> None:

@@ -48,11 +48,13 @@ from typing import Any, Callable
 import torch
 
 from . import settings
+from . import lifecycle
 from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
 _open: "weakref.WeakSet[ThreadDevice]" = weakref.WeakSet()
+_opener = os.getpid()  # the process whose devices are in _open
 
 
 class _Work:
@@ -287,6 +289,16 @@ class ThreadDevice(Device):
             if s._thread is not threading.current_thread():
                 s._thread.join(timeout=join_timeout)  # a running fn cannot be interrupted
 
+    def _left_in_fork(self, opener: int) -> None:
+        """In a fork of the host: the workers did not come along and the lock may have been held by one of
+        them; the device is unusable here (a clear error), closed by nobody here."""
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        for s in self._workers:
+            s._cv = threading.Condition(self._lock)
+        self._error = (lifecycle.opener_message(opener), None)
+        self._closed, self._settings_held = True, False  # (settings.py puts this process's settings back)
+
     def fail(self, message: str, exc: BaseException) -> None:
         """The device failed (sticky): every wait and launch raises DeviceError from now on. Only the first
         failure is kept and reported to `on_error`."""
@@ -332,8 +344,17 @@ class ThreadDevice(Device):
 
 def forget_open_devices() -> None:
     """In a forked child: the parent's devices, copied by the fork, are not this process's to close."""
-    global _open
-    _open = weakref.WeakSet()
+    global _open, _opener
+    _open, _opener = weakref.WeakSet(), os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    for dev in list(_open):
+        dev._left_in_fork(_opener)
+    forget_open_devices()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -14,6 +14,7 @@ requests in advance, so it is sized for `max_batch_size` requests of the model's
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ from ..args import _bool, _int, _number
 from .memory import check_memory, run_sizes
 
 MODES = ("sync", "async")
+DEFAULT_BLOCK_SIZE = 16  # generate's default, which a model with a shorter context shrinks
 STAGES = ("H2D", "compute", "D2H")
 
 
@@ -90,10 +92,18 @@ def make_config(model, mode: str, lengths: list[int], max_new_tokens: int, *, ma
 
 
 def _block_size(model, block_size: Any) -> int:
-    limit = model.max_positions or None
-    if limit and block_size == 16 and limit < 16:  # the default, on a model whose whole context is shorter
-        return limit
-    return _int("block_size", block_size, high=limit)  # a block serves one request
+    """A block serves one request, so it holds at most the model's context. The default (16) shrinks to a
+    shorter context; any other size beyond it is refused, naming the context as the limit."""
+    context = model.max_positions
+    if block_size == DEFAULT_BLOCK_SIZE and not isinstance(block_size, bool) and context and context < block_size:
+        return context
+    try:
+        return _int("block_size", block_size, high=context or None)
+    except ValueError as exc:
+        if context and isinstance(block_size, numbers.Integral) and block_size > context:
+            raise ValueError(f"{exc}: the model's context (max_position_embeddings={context}) is the limit, as a "
+                             "KV block serves one request") from None
+        raise
 
 
 def _cuda_graphs(cuda_graphs: Any, cuda: bool, device) -> bool | str:

@@ -14,13 +14,12 @@ arguments to lower, instead of swapping the machine or failing deep in the alloc
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..batching.batch import TENSOR_FIELDS
 from ..batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
 from ..batching.slots import EXTENT
+from ..devices.limits import host_bytes_free
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
@@ -58,15 +57,10 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
 
 
 def available_bytes(device: torch.device) -> tuple[int, int]:
-    """(free device memory, free host memory) in bytes; on the CPU both are the same host memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        try:
-            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            host = 2**62  # unknown: do not refuse on a guess
+    """(free device memory, free host memory) in bytes; on the CPU both are the same host memory. Host
+    memory is the smallest of the machine's free memory, an address-space limit (`ulimit -v`) and a
+    container's cgroup limit (devices/limits.py)."""
+    host = host_bytes_free()
     if device.type != "cuda":
         return host, host
     # memory PyTorch's allocator holds but no tensor uses is free to this process, though not to the driver

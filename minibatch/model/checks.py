@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from typing import Any
 
 import torch
 
 from ..args import DTYPES, INT64_MAX, _int, resolve_device
+from ..devices.limits import host_bytes_free
+
+MEMORY_FRACTION = 0.9  # of the free memory a model's weights may take
 
 
 def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
@@ -28,9 +33,17 @@ def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
                              "and the weights")
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"could not load model {path!r}: the folder has no config.json")
-        if not os.path.isdir(path) and "/" not in path:
+        if not os.path.isdir(path) and os.path.lexists(path):
+            raise ValueError(f"could not load model {path!r}: no such folder (a symlink that leads nowhere, or "
+                             "loops)")
+        if not os.path.isdir(path) and (path.count("/") != 1 or path.startswith(("/", ".", "~"))):
+            if "/" in path or os.sep in path:
+                raise ValueError(f"could not load model {path!r}: no such folder (and not a hub id of the form "
+                                 "'org/name')")
             raise ValueError(f"unknown model {path!r}: not a built-in name ({', '.join(builtin)}), a local folder "
                              "or a hub id of the form 'org/name'")
+        if os.path.isdir(path):
+            check_shard_paths(path)
     given = next(name_or_model.parameters()) if isinstance(name_or_model, PreTrainedModel) else None
     if given is not None and (device is None or device == "auto"):
         dev = given.device  # a model passed in keeps its device unless another is asked for
@@ -63,3 +76,62 @@ def check_causal_lm(hf, name: str) -> None:
     if missing:
         raise ValueError(f"model {name!r}: its config has no {', '.join(missing)}, which minibatch sizes the KV "
                          "cache from")
+
+
+def check_shard_paths(folder: str) -> None:
+    """A weights index (model.safetensors.index.json) may name only files inside its folder."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        shards = set(weight_map.values())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return  # transformers reports a broken index itself, naming the path
+    root = os.path.normpath(os.path.abspath(folder))
+    for shard in sorted(map(str, shards)):
+        # lexical, not resolved: a hub cache's snapshot folder holds symlinks into its blobs folder
+        where = os.path.normpath(os.path.join(root, shard))
+        if os.path.isabs(shard) or os.path.commonpath([root, where]) != root:
+            raise ValueError(f"could not load model {folder!r}: its model.safetensors.index.json names the shard "
+                             f"{shard!r}, outside the folder")
+
+
+def check_config_size(config, dtype: torch.dtype, device: torch.device, path: str) -> None:
+    """Refuse a config whose weights could not fit in free memory, before anything is allocated: a count
+    of its parameters (embeddings, attention, MLP per layer, times its experts) times the dtype's bytes."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = {a: getattr(cfg, a, None) for a in ("num_hidden_layers", "hidden_size", "vocab_size",
+                                                "num_attention_heads")}
+    bad = [f"{a}={v!r}" for a, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise ValueError(f"could not load model {path!r}: its config has {', '.join(bad)} (each must be an "
+                         "integer >= 1)")
+    layers, h, vocab, heads = sizes.values()
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * h
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 1
+    per_layer = h * head_dim * (2 * heads + 2 * kv) + 3 * h * inter * max(1, int(experts))
+    params = layers * per_layer + vocab * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    need = params * dtype.itemsize
+    free = host_bytes_free()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    if need > MEMORY_FRACTION * free:
+        raise ValueError(f"could not load model {path!r}: its config asks for about {params / 1e9:.3g} billion "
+                         f"parameters ({layers} layers, hidden_size={h}, intermediate_size={inter}, vocab_size="
+                         f"{vocab}), {need / 1e9:.3g} GB in {dtype}, but {free / 1e9:.1f} GB are free on {device}")
+
+
+def check_finite(hf, name: str) -> None:
+    """Warn about weights that hold NaN or inf: the logits would be NaN, and every sampled token 0."""
+    with torch.no_grad():
+        flags = [torch.isfinite(p).all() for p in hf.parameters()]
+        ok = torch.stack(flags).tolist() if flags else []  # one transfer, not one per parameter
+    bad = [n for (n, _), good in zip(hf.named_parameters(), ok) if not good]
+    if bad:
+        warnings.warn(f"model {name!r} has NaN or infinite weights in {', '.join(bad[:3])}"
+                      f"{' and more' if len(bad) > 3 else ''}: its logits will be NaN, and its tokens meaningless",
+                      stacklevel=3)

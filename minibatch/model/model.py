@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
 from ..batching.batch import Batch
-from .checks import check_causal_lm, check_load
+from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..batching.kv_cache import PagedKVCache
 from ..batching.sampling import sample
 
@@ -189,6 +189,8 @@ def load_model(
             hf, tokenizer = _from_pretrained(TINY_DIR, dev, dtype), ByteTokenizer()
         else:  # a local folder or a hub id
             hf, tokenizer = _from_pretrained(name, dev, dtype), _try_tokenizer(name)
+    if not (isinstance(name_or_model, (str, os.PathLike)) and name in RANDOM_CONFIGS):
+        check_finite(hf, name)
     hf.eval()
     hf.set_attn_implementation(ATTN_NAME)
     return Model(hf, dev, tokenizer, name)
@@ -199,12 +201,16 @@ def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedM
     transformers.utils.logging.disable_progress_bar()  # keep notebook output deterministic
     try:
         # trust_remote_code=False: never run a folder's own Python, and never ask on stdin whether to
-        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
-        hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                                     trust_remote_code=False, output_loading_info=True)
-    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, JSON, custom code: one error naming the path
-        cause = " ".join(str(e).split())  # transformers' messages span lines
-        raise ValueError(f"could not load model {str(path)!r}: {type(e).__name__}: {cause}") from e
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - OSError, JSON, custom code: one error naming the path
+            raise _load_error(path, e) from e
+        check_config_size(config, dtype, dev, str(path))  # before a single weight is allocated
+        try:
+            hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, trust_remote_code=False, output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, custom code: one error naming the path
+            raise _load_error(path, e) from e
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -215,6 +221,11 @@ def _from_pretrained(path, dev: torch.device, dtype: torch.dtype) -> PreTrainedM
                          f"{' and more' if len(missing) > 3 else ''} of {type(hf).__name__} (a model saved without "
                          "its causal LM head?)")
     return hf.to(dev)
+
+
+def _load_error(path, e: Exception) -> ValueError:
+    cause = " ".join(str(e).split())  # transformers' messages span lines
+    return ValueError(f"could not load model {str(path)!r}: {type(e).__name__}: {cause}")
 
 
 def _try_tokenizer(path):

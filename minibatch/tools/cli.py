@@ -304,6 +304,8 @@ def main(argv=None) -> None:
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
+    if args.cmd == "bench" and not args.hf and (args.hf_modes or args.hf_all):  # else silently not run
+        p.error(f"{'--hf-modes' if args.hf_modes else '--hf-all'} picks transformers' modes: it needs --hf")
     from ..devices import DeviceError
 
     try:
