@@ -117,7 +117,7 @@ def check_lengths(model, token_ids: list[list[int]], max_new_tokens: int) -> Non
     for i, p in enumerate(token_ids):
         if limit and len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
-                             f"exceed the model's context of {limit} positions (max_position_embeddings)")
+                             f"exceed the model's {limit} positions (its context, max_position_embeddings)")
 
 
 def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, top_p, seed, eos_token_id,
