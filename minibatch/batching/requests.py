@@ -67,8 +67,6 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # KV block table: logical block i -> physical block
     finish_reason: str | None = None  # "eos" or "length"
     arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
-    # (block table, block size, cell of every position): kept by batch.py, so a step does not redo it
-    cell_table: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:
