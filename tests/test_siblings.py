@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minibatch
+from minibatch.compat import LINEAR_TARGETS
 from minibatch.runner import siblings
 
 
@@ -49,7 +50,7 @@ class Attn(torch.nn.Module):
 
 
 def linear_calls(gm):
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in siblings._LINEAR)
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS)
 
 
 @pytest.mark.parametrize("name", ["random-llama", "random-qwen2"])  # qwen2: q/k/v have biases

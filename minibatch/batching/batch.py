@@ -122,7 +122,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     graphs (model.py says which sizes we use and why).
     """
     n = len(plan.chunks)
-    tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.block_size, decode_layout)
+    tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.allocator, decode_layout)
     temp = [r.sampling.temperature for r in sampled]
     samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
             [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
@@ -164,7 +164,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
 
 
-def _gather(chunks, bs: int, decode_layout: bool):
+def _gather(chunks, allocator, decode_layout: bool):
     """One pass over the plan's chunks: block tables, input ids, start/end/count per chunk, which sample,
     the requests that sample, and whether the step has the decode layout."""
     n = len(chunks)
@@ -172,7 +172,7 @@ def _gather(chunks, bs: int, decode_layout: bool):
         # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
         starts_l = [c.start for c in chunks]
         sampled = [c.request for c in chunks]
-        tables = [_table(r, bs, s + 1) for r, s in zip(sampled, starts_l)]
+        tables = [_table(r, allocator, s + 1) for r, s in zip(sampled, starts_l)]
         ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
         starts = np.array(starts_l, np.int64)
         return tables, ids, starts, starts + 1, np.ones(n, np.int64), np.ones(n, bool), sampled, True
@@ -180,7 +180,7 @@ def _gather(chunks, bs: int, decode_layout: bool):
     ids: list[int] = []
     tables, starts, ends, sample, sampled = [], [], [], [], []
     for r, start, end, samples in chunks:
-        tables.append(_table(r, bs, end)), starts.append(start), ends.append(end), sample.append(samples)
+        tables.append(_table(r, allocator, end)), starts.append(start), ends.append(end), sample.append(samples)
         prompt = r.prompt
         if end <= len(prompt):  # (part of) the prompt: all known
             ids.extend(prompt[start:end])
@@ -260,28 +260,12 @@ def _scratch_table(scratch: int) -> np.ndarray:
     return np.full(1, scratch, np.int64)
 
 
-def _table(r: Request, block_size: int, end: int) -> np.ndarray:
-    """r's cell table (kept on the request: _cell_table), checked to cover its tokens up to `end`."""
-    kept = r.cell_table
-    if kept is not None and kept[0] is r.blocks and kept[1] == block_size and len(kept[2]) == len(r.blocks) * block_size:
-        table = kept[2]
-    else:
-        table = _cell_table(r, block_size)
+def _table(r: Request, allocator, end: int) -> np.ndarray:
+    """r's cell table (kept by the cache's allocator), checked to cover its tokens up to `end`."""
+    table = allocator.cell_table(r.blocks)
     if end > len(table):
         raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
     return table
-
-
-def _cell_table(r: Request, block_size: int) -> np.ndarray:
-    """Cell of every position r's block table covers: block_table[t // bs] * bs + t % bs for all t.
-
-    Computed once per request and kept on it (`Request.cell_table`, with the block list it was made
-    from): the block table is fixed from admission on (kv_cache.py), so a new list means new blocks.
-    """
-    blocks = np.asarray(r.blocks, dtype=np.int64)
-    cells = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
-    r.cell_table = (r.blocks, block_size, cells)
-    return cells
 
 
 def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_bucket: int):

@@ -10,7 +10,7 @@ changes in one cell per row:
     step N+1    row 0: c0 c1 c2 c3 c4 ·  ·  ·        one new cell per row
                 row 1: d0 d1 d2 ·  ·  ·  ·  ·
 
-So the host keeps the table (one per cache) and writes those cells instead of rebuilding rows x L
+So the host keeps the table (on the KV cache: `PagedKVCache.key_table`) and writes those cells instead of rebuilding rows x L
 entries every step; and an IO slot, whose host buffers still hold the table as it was when the slot
 was last loaded (one or two steps ago), copies only the cells that changed since then. Host work
 per decode step is then O(rows), not O(rows x L). Anything else (a request joins or leaves, rows
@@ -22,10 +22,9 @@ next update writes to a copy of the table first, so a batch never changes after 
 
 from __future__ import annotations
 
-import sys
-import weakref
-
 import numpy as np
+
+from ..compat import referenced_elsewhere
 
 #: the three key fields of a batch, in the order the table keeps them
 FIELDS = ("kv_indices", "kv_seq", "kv_pos")
@@ -48,8 +47,8 @@ class DecodeKeys:
         if key != self.key or (ends < self.ends).any() or (ends > self.ends + 1).any():
             self._fresh(ends, tables, scratch, width)
         else:
-            # 2 references when no batch views the array: the list and getrefcount's own argument
-            if any(sys.getrefcount(self.arrays[i]) > 2 for i in range(3)):
+            # a batch still viewing an array holds a reference to it (beyond this list's)
+            if any(referenced_elsewhere(self.arrays[i]) for i in range(3)):
                 self.arrays = [a.copy() for a in self.arrays]  # copy on write: an earlier batch is alive
             if width > self.arrays[0].shape[1]:
                 self._widen(width, scratch)
@@ -114,12 +113,7 @@ class KeySource:
         return self
 
 
-_TABLES: "weakref.WeakKeyDictionary[object, DecodeKeys]" = weakref.WeakKeyDictionary()
-
-
 def decode_keys(cache, ends: np.ndarray, tables: list[np.ndarray], bucket_size: int):
-    """The decode-layout keys of rows with these ends and cell tables, from `cache`'s kept table."""
-    table = _TABLES.get(cache)
-    if table is None:
-        table = _TABLES[cache] = DecodeKeys()
-    return table.build(ends, tables, cache.scratch_cell, bucket_size)
+    """The decode-layout keys of rows with these ends and cell tables, from `cache`'s key table
+    (`cache.key_table`: the table belongs to the cache whose cells it lists)."""
+    return cache.key_table.build(ends, tables, cache.scratch_cell, bucket_size)

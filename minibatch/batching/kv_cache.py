@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+from .decode_keys import DecodeKeys
 
 
 class OutOfBlocks(RuntimeError):
@@ -48,6 +51,8 @@ class BlockAllocator:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owned: set[int] = set()
+        # id(block table) -> (the block table, its cell table): what cell_table computed, until freed
+        self._cell_tables: dict[int, tuple[list[int], np.ndarray]] = {}
 
     @property
     def num_free(self) -> int:
@@ -65,11 +70,27 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        self._cell_tables.pop(id(blocks), None)
         for b in blocks:
             if b not in self._owned:
                 raise RuntimeError(f"KV block {b} freed but not owned (double free?)")
             self._owned.remove(b)
             self._free.append(b)
+
+
+    def cell_table(self, blocks: list[int]) -> np.ndarray:
+        """The cell of every position a block table covers: blocks[t // bs] * bs + t % bs for all t.
+
+        Batch building reads it every step (batch.py), so it is computed once per block table and kept
+        here until `free(blocks)`: a request's block table is fixed from admission on, so a new list
+        means new blocks (a list changed in place is seen by its length)."""
+        kept = self._cell_tables.get(id(blocks))
+        if kept is not None and kept[0] is blocks and len(kept[1]) == len(blocks) * self.block_size:
+            return kept[1]
+        bs = self.block_size
+        cells = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        self._cell_tables[id(blocks)] = (blocks, cells)  # (holding the list: no other list takes its id)
+        return cells
 
 
 class PagedKVCache:
@@ -96,6 +117,7 @@ class PagedKVCache:
         alloc = alloc or (lambda shape, dtype: torch.empty(shape, device=device, dtype=dtype))
         self.keys = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
         self.values = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
+        self.key_table = DecodeKeys()  # the decode layout's key table, kept from step to step (decode_keys.py)
 
     def cells(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Physical cells of tokens start..end-1 of a request with this block table."""

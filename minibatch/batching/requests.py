@@ -71,8 +71,6 @@ class Request:
     finish_reason: str | None = None  # "eos", "length"; online also "stop" or "cancelled"
     arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
     scheduled_at: float | None = None  # time.perf_counter() when the scheduler first admitted it
-    # (block table, block size, cell of every position): kept by batch.py, so a step does not redo it
-    cell_table: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:

@@ -58,6 +58,7 @@ from multiprocessing import reduction  # its sendfds exists only where Unix sock
 
 import torch
 
+from ..compat import share_fd
 from . import cpu_process as device_process
 from . import lifecycle
 from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
@@ -228,7 +229,7 @@ class CpuDevice(Device):
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             raise _no_shared_memory(nbytes, exc) from None
         storage = t.untyped_storage()
-        _, nbytes = storage._share_fd_cpu_()
+        _, nbytes = share_fd(storage)
         key = self._names.new_key()
         # the queue keeps the storage (and so its file descriptor) alive until it is sent; no duplicate
         # descriptor that an interrupt could leave open
@@ -344,7 +345,7 @@ class CpuDevice(Device):
         try:
             self._conn.send_bytes(pickle.dumps((batch, len(storages)), protocol=pickle.HIGHEST_PROTOCOL))
             if storages:
-                reduction.sendfds(self._sock, [st._share_fd_cpu_()[0] for st in storages])
+                reduction.sendfds(self._sock, [share_fd(st)[0] for st in storages])
         except BaseException as exc:
             self._fail_channel(exc)
             if isinstance(exc, KeyboardInterrupt):

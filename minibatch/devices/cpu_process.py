@@ -30,7 +30,6 @@ the model, the KV cache, the step runner) as a reference: its address when it ex
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import pickle
@@ -44,6 +43,7 @@ import cloudpickle
 import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
+from ..compat import object_at
 from .base import DeviceError
 from . import lifecycle
 _RESIDENT: tuple[type, ...] = (torch.nn.Module,)
@@ -102,7 +102,7 @@ def view(key: int, offset: int, shape: tuple, stride: tuple, dtype: torch.dtype)
 
 def forked(address: int):
     """An object that existed when this process was forked: its copy sits at the same address here."""
-    return ctypes.cast(address, ctypes.py_object).value
+    return object_at(address)
 
 
 def named(key: int):

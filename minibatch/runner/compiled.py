@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from ..compat import mark_dynamic, raise_recompile_limit
+
 
 class CompiledStep:
     """The decode step (forward + sampling) through torch.compile, one per engine.
@@ -61,15 +63,11 @@ class CompiledStep:
             keys = "any number of" if width is None else str(width)
             print(f"torch.compile: decode step for {shape[0]} rows x {keys} keys"
                   f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
-        import torch._dynamo as dynamo
-
         if self.dynamic_keys:
             for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
-                dynamo.mark_dynamic(t, 0)
+                mark_dynamic(t, 0)
         if self._fn is None:
-            for name in ("recompile_limit", "cache_size_limit"):  # renamed in newer PyTorch
-                if hasattr(dynamo.config, name):  # one compile per shape: room for a few dozen
-                    setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
+            raise_recompile_limit(64)  # one compile per shape: room for a few dozen
             if self.merge:
                 from .siblings import backend
 

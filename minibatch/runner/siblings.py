@@ -34,10 +34,11 @@ from collections import defaultdict
 
 import torch
 
+from ..compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
+
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
 #: and Gemma name them (attention's q/k/v, the gated MLP's gate/up); other names are left alone
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)  # (one function today; two names in some versions)
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                        operator.ilshift, operator.irshift, operator.imatmul}
@@ -48,7 +49,7 @@ def _stack(tensors: list[torch.Tensor]) -> None:
     block = torch.cat([t.detach() for t in tensors])
     row = 0
     for t in tensors:
-        t.data = block[row: row + t.shape[0]]
+        rebind_data(t, block[row: row + t.shape[0]])
         row += t.shape[0]
 
 
@@ -129,7 +130,7 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     order = {n: i for i, n in enumerate(nodes)}
     groups: dict[tuple, list] = defaultdict(list)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _LINEAR or len(node.args) < 2:
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS or len(node.args) < 2:
             continue
         x, w = node.args[:2]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -157,7 +158,7 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
             args = [first[0].args[0], _whole(gm, first[3], weights)]
             if biases[0] is not None:
                 args.append(_whole(gm, first[4], biases))
-            whole = gm.graph.call_function(torch._C._nn.linear, tuple(args))
+            whole = gm.graph.call_function(LINEAR, tuple(args))
         start = 0
         for node, weight, *_ in members:
             with gm.graph.inserting_after(whole):
@@ -180,12 +181,8 @@ class _Backend:
         self.mode, self.merged = mode, []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
-
         self.merged.append(merge(gm, example_inputs))
-        options = list_mode_options(self.mode, dynamic=False) if self.mode else None
-        return compile_fx(gm, example_inputs, config_patches=options)
+        return inductor_compile(gm, example_inputs, self.mode)
 
 
 @functools.lru_cache(maxsize=None)
