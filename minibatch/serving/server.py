@@ -4,7 +4,8 @@
 
 Endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (with `"stream": true`, server-sent
 events: one `data: {...}` chunk per token, then `data: [DONE]`), `GET /v1/models`, `GET /health`
-(the engine's KV blocks, free and in all, and its running and waiting requests). The request bodies
+(the engine's KV blocks, free and in all, its running and waiting requests, and how many requests were
+cancelled because their client hung up). The request bodies
 and their checks are protocol.py's.
 
 One engine, sized once, runs its loop in a background thread for the server's whole life (FastAPI's
@@ -40,12 +41,21 @@ class ServerState:
     def __init__(self, model, name: str, eos, serving: dict):
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
         self.engine = None
-        self.open: set = set()
+        self.open: set = set()  # streams not yet finished or given up
+        self.cancelled = 0  # requests cancelled because their client hung up
         self.created = int(time.time())
 
     def cancel_all(self) -> None:
         for s in list(self.open):
             s.cancel()
+
+    def close(self, s) -> None:
+        """A request's answer is over (sent, or its client gone): cancel it if the engine is still on it."""
+        if s in self.open:
+            self.open.discard(s)
+            if not s.done:
+                s.cancel()
+                self.cancelled += 1
 
     def tokens(self, p: Params) -> tuple[list[int], list[str]]:
         """The prompt's token ids, and stop strings a chat template adds."""
@@ -96,19 +106,18 @@ def _frame(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _watch_disconnect(request, s) -> None:
+async def _watch_disconnect(state: ServerState, request, s) -> None:
     """Cancel the request when its client hangs up, even before its first token is sent."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            if not s.done:
-                s.cancel()
+            state.close(s)
             return
 
 
 async def _sse(state: ServerState, request, s, prompt_tokens: int, p: Params):
     rid, name = protocol.new_id(p.chat), state.name
-    watcher = asyncio.ensure_future(_watch_disconnect(request, s))
+    watcher = asyncio.ensure_future(_watch_disconnect(state, request, s))
     n = 0
     try:
         if p.chat:
@@ -123,9 +132,7 @@ async def _sse(state: ServerState, request, s, prompt_tokens: int, p: Params):
         yield "data: [DONE]\n\n"
     finally:  # also on a client that hung up (GeneratorExit / CancelledError at a yield)
         watcher.cancel()
-        if not s.done:
-            s.cancel()
-        state.open.discard(s)
+        state.close(s)
 
 
 def _error(e: BadRequest):
@@ -155,9 +162,7 @@ async def _handle(state: ServerState, request, chat: bool):
         async for _ in s:
             pass
     finally:
-        if not s.done:
-            s.cancel()
-        state.open.discard(s)
+        state.close(s)
     use = protocol.usage(prompt_tokens, len(s.token_ids))
     finish = protocol.FINISH.get(s.finish_reason, s.finish_reason)
     return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, s.text or "", finish, use))
@@ -213,7 +218,7 @@ def create_app(state: ServerState):
     async def health():
         if state.engine is None:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", **state.engine.stats()}
+        return {"status": "ok", **state.engine.stats(), "cancelled": state.cancelled}
 
     return app
 
