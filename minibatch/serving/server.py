@@ -27,6 +27,10 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from . import protocol
 from .protocol import BadRequest, Params
 
@@ -136,12 +140,10 @@ async def _sse(state: ServerState, request, s, prompt_tokens: int, p: Params):
 
 
 def _error(e: BadRequest):
-    from fastapi.responses import JSONResponse
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _handle(state: ServerState, request, chat: bool):
-    from fastapi.responses import JSONResponse, StreamingResponse
     try:
         raw = await request.body()
         try:
@@ -176,10 +178,6 @@ def _warm_up(state: ServerState) -> None:
 
 def create_app(state: ServerState):
     """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
-
     from ..engine.engine import Engine
 
     @asynccontextmanager
