@@ -281,10 +281,15 @@ def serve_cmd(args) -> None:
     from ..serving.server import serve
 
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    raise SystemExit(serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port,
-                           mode=args.mode, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                           block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                           compile=args.compile))
+    code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
+                 max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                 block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
+                 compile=args.compile)
+    # the engine is closed and its device released by now; what is left is the interpreter tearing down
+    # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def bench_serve_cmd(args) -> None:
