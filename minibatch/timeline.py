@@ -43,15 +43,31 @@ class Span:
 
 
 class Timeline:
-    def __init__(self) -> None:
+    """Spans on lanes, and marks (a request's arrival, notebook 08) at points in time.
+
+    `limit` bounds the spans kept (a serving engine runs for hours): past twice the limit the oldest
+    half is dropped, so appending stays cheap.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
         self.t0 = time.perf_counter()
         self.spans: list[Span] = []
+        self.marks: list[tuple[float, str]] = []  # (time, label)
+        self.limit = limit
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def add(self, lane: str, name: str, start: float, end: float, step: int = -1, slot: int = -1) -> None:
         self.spans.append(Span(lane, name, start, end, step, slot))
+        if self.limit is not None and len(self.spans) > 2 * self.limit:
+            del self.spans[: self.limit]
+
+    def mark(self, label: str, at: float | None = None) -> None:
+        """A point in time worth seeing on the plot, e.g. a request's arrival (`at`: perf_counter seconds)."""
+        self.marks.append(((self.now() if at is None else at - self.t0), label))
+        if self.limit is not None and len(self.marks) > 2 * self.limit:
+            del self.marks[: self.limit]
 
     @contextmanager
     def span(self, lane: str, name: str, step: int = -1, slot: int = -1):
@@ -85,12 +101,16 @@ class Timeline:
 
     # --- export ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"spans": [asdict(s) for s in self.spans]}
+        out = {"spans": [asdict(s) for s in self.spans]}
+        if self.marks:
+            out["marks"] = [list(m) for m in self.marks]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
         tl = cls()
         tl.spans = [Span(**s) for s in d["spans"]]
+        tl.marks = [(float(t), str(label)) for t, label in d.get("marks", [])]
         return tl
 
     def save(self, path) -> None:
@@ -144,6 +164,10 @@ class Timeline:
                 if s.step >= 0 and visible >= 0.025 * (t_hi - t_lo):
                     ax.text((max(s.start, t_lo) + min(s.end, t_hi)) / 2 - t_lo, row_of[s.lane], str(s.step),
                             ha="center", va="center", fontsize=8, color="white" if s.name != "wait" else "black")
+        arrivals = [t - t_lo for t, _ in self.marks if t_lo <= t <= t_hi]
+        if arrivals:  # above the CPU lane: when each request reached the engine
+            ax.plot(arrivals, [-0.45] * len(arrivals), "v", color="black", markersize=5, clip_on=False,
+                    label="arrival")
         ax.set_yticks(range(len(lanes)), lanes)
         ax.set_ylim(len(lanes) - 0.5, -0.5)
         ax.set_xlim(0, t_hi - t_lo)
@@ -152,7 +176,12 @@ class Timeline:
         by_colour: dict[str, list[str]] = {}  # one entry per colour drawn; names without a colour share grey
         for n in [n for n in COLORS if n in names] + sorted(n for n in names if n not in COLORS):
             by_colour.setdefault(COLORS.get(n, "#999999"), []).append(n)
-        ax.legend(handles=[Patch(color=c, label=", ".join(ns)) for c, ns in by_colour.items()],
+        handles = [Patch(color=c, label=", ".join(ns)) for c, ns in by_colour.items()]
+        if arrivals:
+            from matplotlib.lines import Line2D
+
+            handles.append(Line2D([], [], marker="v", color="black", linestyle="none", label="arrival"))
+        ax.legend(handles=handles,
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
         busy = self.device_busy()
         ax.set_title(title or f"device busy {busy:.0%} of the time")

@@ -40,6 +40,18 @@ PARTS = ("schedule", "build", "load", "carry", "update")
 BLOCK_SIZE = 16  # generate's default block size
 
 
+def _module(pkg: str, name: str):
+    """A module of `pkg` by its name in the layered package (batching/), or in a flat one (an older checkout:
+    the buckets then live in step.py, `bucket` in batch.py)."""
+    try:
+        return importlib.import_module(f"{pkg}.batching.{name}")
+    except ModuleNotFoundError:
+        if name != "buckets":
+            return importlib.import_module(f"{pkg}.{name}")
+        step, batch = importlib.import_module(f"{pkg}.step"), importlib.import_module(f"{pkg}.batch")
+        return type("buckets", (), {"ROW_BUCKETS": step.ROW_BUCKETS, "bucket": staticmethod(batch.bucket)})
+
+
 def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout: bool,
                temperature: float = 0.0):
     """Set up `rows` requests with `context`-token prompts, prefilled (not timed), and return a function
@@ -47,8 +59,8 @@ def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout
 
     `pkg` is the package to take every piece from ("minibatch", or another checkout's copy of it,
     scripts/host_cost_ab.py); `dev` gives the IO slot its buffers."""
-    m = {name: importlib.import_module(f"{pkg}.{name}")
-         for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over", "step")}
+    m = {name: _module(pkg, name) for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over")}
+    m["buckets"] = _module(pkg, "buckets")
     R = m["requests"]
     reqs = [R.Request(i, [(i + j) % 1000 for j in range(context)], new_tokens,
                       R.SamplingParams(temperature, 0, 1.0, i)) for i in range(rows)]
@@ -57,12 +69,12 @@ def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout
     sched = m["scheduler"].Scheduler(cache.allocator, max(rows, 8192), rows)
     for r in reqs:
         sched.add(r)
-    row_buckets = m["step"].ROW_BUCKETS
+    row_buckets = m["buckets"].ROW_BUCKETS
     kw = dict(kv_bucket=1, decode_layout=decode_layout, row_buckets=row_buckets if decode_layout else (),
               decode_bucket=64 if decode_layout else None)
     width = -(-(context + new_tokens) // 64) * 64
     slot = m["slots"].IOSlot(dev, 0, max(rows, 8192), max(blocks * BLOCK_SIZE, rows * width) + 64,
-                             max(m["batch"].bucket(rows, row_buckets), rows))
+                             max(m["buckets"].bucket(rows, row_buckets), rows))
     while any(r.num_sampled == 0 for r in reqs):  # prefill, not timed
         plan = sched.schedule()
         sched.update(plan, [1] * len(plan.sampling_chunks))

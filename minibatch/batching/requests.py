@@ -6,6 +6,9 @@ A request is one prompt the user wants continued. The scheduler moves it through
                        (one chunk of the prompt           (one new token
                         per step, under a token budget)     per step)
 
+A request served online can also finish early from any state: a stop string found in its text, or a
+cancel (`Scheduler.finish`, notebook 08).
+
 Everything here lives on the host (CPU side). The device never sees a `Request`; it sees the flat
 tensors that `batch.py` builds from the scheduler's plan.
 """
@@ -65,8 +68,9 @@ class Request:
     num_sampled: int = 0  # tokens sampled or being sampled by a batch in flight
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # KV block table: logical block i -> physical block
-    finish_reason: str | None = None  # "eos" or "length"
+    finish_reason: str | None = None  # "eos", "length"; online also "stop" or "cancelled"
     arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
+    scheduled_at: float | None = None  # time.perf_counter() when the scheduler first admitted it
     # (block table, block size, cell of every position): kept by batch.py, so a step does not redo it
     cell_table: tuple | None = field(default=None, init=False, repr=False, compare=False)
 

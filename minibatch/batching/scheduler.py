@@ -22,6 +22,7 @@ token.
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -139,6 +140,7 @@ class Scheduler:
             self.waiting.popleft()
             r.blocks = self.allocator.allocate(need)
             r.state = RequestState.PREFILLING
+            r.scheduled_at = time.perf_counter()
             self.running.append(r)
             chunks.append(self._prefill_chunk(r, budget))
             budget -= chunks[-1].num_tokens
@@ -165,6 +167,29 @@ class Scheduler:
             self.running.remove(r)
             self.allocator.free(r.blocks)
             self.retiring.append(r)
+
+    def finish(self, r: Request, reason: str) -> bool:
+        """End a request early, wherever it is (a stop string or a cancel, notebook 08); False if it
+        had finished already. Its seat and KV blocks are given back now.
+
+        In the async loop the request may sit in the batch in flight: `update` then drops the token
+        that batch samples for it, as for an EOS found one step late, and the blocks it still writes
+        are safe to hand out for the same reason (see `_retire_length_finished`).
+        """
+        if r.state is RequestState.FINISHED:
+            return False
+        if r in self.running:
+            self.running.remove(r)
+            self.allocator.free(r.blocks)
+        elif r in self.retiring:
+            self.retiring.remove(r)  # its blocks went back when its last token was planned
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        elif r in self.pending:
+            self.pending.remove(r)
+        r.finish(reason)
+        self.finished.append(r)
+        return True
 
     @staticmethod
     def _prefill_chunk(r: Request, budget: int) -> ScheduledChunk:

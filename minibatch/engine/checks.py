@@ -14,19 +14,16 @@ once with the number, instead of swapping or dying in the allocator.
 
 from __future__ import annotations
 
-import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ..args import INT64_MAX, _bool, _int, _number
-from .memory import check_memory, run_sizes
+from .config import MODES, RunConfig, make_config
 from ..timeline import Timeline
 
-MODES = ("sync", "async")
-STAGES = ("H2D", "compute", "D2H")
 
 
 def token_lists(prompts: Any, model) -> list[list[int]]:
@@ -79,7 +76,7 @@ def eos_ids(eos: Any, vocab_size: int) -> int | frozenset[int] | None:
 
 
 class GenerateArgs(NamedTuple):
-    """`generate`'s arguments after the checks, with every size the run will allocate."""
+    """`generate`'s per-request arguments after the checks, and the run's configuration."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -89,50 +86,56 @@ class GenerateArgs(NamedTuple):
     seed: int
     eos_token_id: int | frozenset[int] | None
     arrival_steps: list[int]
-    max_batch_size: int
-    max_batch_tokens: int
-    block_size: int
-    num_blocks: int
-    num_slots: int
-    cuda_graphs: bool | str
-    inject_delays: dict[str, float]
-    timeout: float | None  # None: no limit
-    max_tokens: int  # the IO slots' capacities (slots.py): tokens, keys and sampled rows of the largest step
-    max_keys: int
-    rows: int
+    config: RunConfig
+
+
+class RequestArgs(NamedTuple):
+    """One request's arguments after the checks (`check_request`)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    eos_token_id: int | frozenset[int] | None
+    stop: tuple[str, ...]
+
+
+def check_sampling(model, n: int, max_new_tokens, temperature, top_k, top_p, seed) -> tuple:
+    """(max_new_tokens, temperature, top_k, top_p, seed) checked, for `n` requests seeded seed .. seed + n - 1."""
+    max_new_tokens = _int("max_new_tokens", max_new_tokens)
+    temperature = _number("temperature", temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
+    top_k = min(_int("top_k", top_k, low=0), model.vocab_size)
+    top_p = _number("top_p", top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+    seed = _int("seed", seed, low=0, high=INT64_MAX - (n - 1))  # request i samples with seed + i
+    return max_new_tokens, temperature, top_k, top_p, seed
+
+
+def check_lengths(model, token_ids: list[list[int]], max_new_tokens: int) -> None:
+    limit = model.max_positions
+    for i, p in enumerate(token_ids):
+        if limit and len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
+                             f"exceed the model's context of {limit} positions (max_position_embeddings)")
 
 
 def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, top_p, seed, eos_token_id,
-                   timeline, max_batch_size, max_batch_tokens, block_size, num_blocks, progress, arrival_steps,
-                   on_step, cuda_graphs, compile, num_slots, allow_races, inject_delays, timeout,
-                   reusable_bytes: int = 0) -> GenerateArgs:
-    """Check every argument of `generate` (see its docstring); raise TypeError/ValueError naming the first bad one."""
+                   timeline, progress, arrival_steps, on_step, reusable_bytes: int = 0, **limits) -> GenerateArgs:
+    """Check every argument of `generate` (see its docstring); raise TypeError/ValueError naming the first
+    bad one. `limits` are the run's (config.make_config)."""
     from ..model.model import Model
 
     if not isinstance(model, Model):
         raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    cuda = model.device.type == "cuda"
-    max_new_tokens = _int("max_new_tokens", max_new_tokens)
-    max_batch_tokens = _int("max_batch_tokens", max_batch_tokens)
-    block_size = _int("block_size", block_size, high=model.max_positions or None)  # a block serves one request
-    max_batch_size = min(32, max_batch_tokens) if max_batch_size is None else _int("max_batch_size", max_batch_size)
-    if max_batch_tokens < max_batch_size:
-        raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
-                         "every running request needs room for its decode token")
-    temperature = _number("temperature", temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
-    top_k = min(_int("top_k", top_k, low=0), model.vocab_size)
-    top_p = _number("top_p", top_p, "in (0, 1]", lambda v: 0 < v <= 1)
     token_ids = token_lists(prompts, model)
     n = len(token_ids)
-    seed = _int("seed", seed, low=0, high=INT64_MAX - (n - 1))  # request i samples with seed + i
+    max_new_tokens, temperature, top_k, top_p, seed = check_sampling(model, n, max_new_tokens, temperature,
+                                                                     top_k, top_p, seed)
     eos = eos_ids(eos_token_id, model.vocab_size)
-    limit = model.max_positions
-    for i, p in enumerate(token_ids):
-        if limit and len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would "
-                             f"exceed the model's {limit} positions")
+    check_lengths(model, token_ids, max_new_tokens)
     if arrival_steps is None:
         arrival_steps = [0] * n
     if isinstance(arrival_steps, (str, bytes)) or not isinstance(arrival_steps, Sequence) or len(arrival_steps) != n:
@@ -144,49 +147,25 @@ def check_generate(model, prompts, *, max_new_tokens, mode, temperature, top_k, 
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be a function on_step(plan, finished) or None, got {on_step!r}")
     _bool("progress", progress)
-    _bool("compile", compile)
-    if compile and not cuda:
-        raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
-                         "eager: compiling would take longer than the tiny model's whole run)")
-    if cuda_graphs is None:
-        cuda_graphs = cuda
-    elif cuda_graphs != "decode" and not isinstance(cuda_graphs, bool):
-        raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {cuda_graphs!r}')
-    if cuda_graphs and not cuda:
-        raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
-    num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)
-    _bool("allow_races", allow_races)
-    if mode == "async" and num_slots == 1 and not allow_races:
-        raise ValueError("num_slots=1 in the async loop races: the host writes step N+1's inputs into the only "
-                         "IO slot while the device may still read step N's, and tokens come out wrong without "
-                         "an error (notebook 04). Use num_slots=2 (the default), or pass allow_races=True to "
-                         "show the race on purpose")
-    timeout = _timeout(timeout)
-    delays = _delays(inject_delays)
-    num_blocks = None if num_blocks is None else _int("num_blocks", num_blocks)
-    sizes = run_sizes(model, token_ids, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks)
-    check_memory(model, *sizes, block_size, num_slots, given_blocks=num_blocks is not None, reusable=reusable_bytes)
-    return GenerateArgs(token_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, arrival_steps,
-                        max_batch_size, max_batch_tokens, block_size, sizes[0], num_slots, cuda_graphs, delays,
-                        timeout, *sizes[1:])
+    config = make_config(model, mode, [len(p) for p in token_ids], max_new_tokens, reusable_bytes=reusable_bytes,
+                         **limits)
+    return GenerateArgs(token_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, arrival_steps, config)
 
 
-def _timeout(timeout: Any) -> float | None:
-    """None or a finite number of seconds > 0; inf means no limit (None)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
-        return None
-    return _number("timeout", timeout, "of seconds > 0 (or None: no limit)", lambda v: v > 0)
-
-
-def _delays(delays: Any) -> dict[str, float]:
-    if delays is None:
-        return {}
-    if not isinstance(delays, Mapping):
-        raise TypeError(f"inject_delays must be a dict like {{'H2D': 0.03}} (keys {STAGES}), got {delays!r}")
-    if set(delays) - set(STAGES):
-        raise ValueError(f"inject_delays keys must be 'H2D', 'compute' or 'D2H', got {sorted(map(str, delays))}")
-    # a delay longer than timeout is allowed: it is how a stuck device is simulated (tests/test_faults.py)
-    return {stage: _number(f"inject_delays[{stage!r}]", s, "of seconds >= 0", lambda v: v >= 0)
-            for stage, s in delays.items()}
+def check_request(model, prompt, *, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                  stop) -> RequestArgs:
+    """Check one submitted request's arguments (`Engine.submit`), as `generate` checks its own."""
+    (ids,) = token_lists([prompt], model)
+    max_new_tokens, temperature, top_k, top_p, seed = check_sampling(model, 1, max_new_tokens, temperature,
+                                                                     top_k, top_p, seed)
+    eos = eos_ids(eos_token_id, model.vocab_size)
+    check_lengths(model, [ids], max_new_tokens)
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise TypeError(f"stop must be a string, a list of non-empty strings or None, got {stop!r}")
+    if stop and model.tokenizer is None:
+        raise ValueError(f"stop strings need a tokenizer to decode text, and model {model.name!r} has none")
+    return RequestArgs(ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop))

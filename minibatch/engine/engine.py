@@ -1,15 +1,18 @@
 """The engine: one model's device, KV cache, IO slots, step runner and CUDA graphs (notebook 00; the
-loops it steps are notebooks 01 and 06).
+loops it steps are notebooks 01 and 06, serving is notebook 08).
 
     engine = Engine(model)                      # opens the device, like a CUDA context
-    engine.start(requests, mode="async")        # a run: scheduler, cache, slots, runner
+    engine.start(requests, mode="async")        # a run of Request objects: scheduler, cache, slots, runner
     while engine.has_work():
         engine.step()                           # schedule -> launch -> update (one loop turn)
     engine.finish()                             # synchronize, check that every KV block came back
     engine.close()
 
 `engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
-wrapper that builds an engine for one call. Keep an engine to keep its resources: CUDA graphs are
+wrapper that builds an engine for one call. `engine.serving(...)` opens a run sized once for
+requests that arrive while it lasts: its loop turns in a background thread, `engine.submit(...)`
+hands it a request from any thread and returns a Stream of its tokens (serving.py, stream.py);
+`generate` called meanwhile submits into it. Keep an engine to keep its resources: CUDA graphs are
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
 Resources are dropped only after the device has finished with them.
@@ -18,52 +21,43 @@ starts from a fresh device and captures again, since graphs and the cpu device p
 otherwise keep computing with the old ones.
 
 The sync and async loops share everything here; `mode` only picks which step function runs
-(sync_loop.sync_step or async_loop.async_step).
+(sync_loop.sync_step or async_loop.async_step). One engine runs one run at a time: a second
+`generate` from another thread (or from inside `on_step`) is refused with a clear error, unless the
+engine is serving, where every call becomes a submit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .async_loop import async_step
-from .checks import MODES, check_generate
-from ..devices import get_device
 from ..batching.kv_cache import PagedKVCache
-from ..batching.slots import SlotBuffers
+from ..batching.requests import Request, SamplingParams
+from ..batching.scheduler import Scheduler
+from ..batching.slots import IOSlot, SlotBuffers
+from ..devices import get_device
 from ..devices.base import DeviceError, deferred_interrupts
 from ..devices.cpu_process import register_resident
 from ..model.model import Model
-from ..batching.requests import Request, SamplingParams
-from .memory import run_sizes
-from ..batching.scheduler import Scheduler
-from ..batching.slots import IOSlot
 from ..runner.compiled import CompiledStep
 from ..runner.graphs import StepRunner
-from .sync_loop import sync_step
+from ..args import _int
 from ..timeline import Timeline
+from .async_loop import async_step
+from .checks import check_generate, check_request
+from .config import RunConfig, Shape, make_config
+from .serving import Loop
+from .stream import Stream
+from .sync_loop import sync_step
 
 STEPS = {"sync": sync_step, "async": async_step}
 # what the cpu device process keeps on its side once sent (or inherited at fork), as a GPU keeps them
 register_resident(Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
-
-
-class _Shape(NamedTuple):
-    """Everything that fixes the sizes (and so the addresses) of a run's cache, slots and graphs."""
-
-    num_blocks: int
-    block_size: int
-    max_tokens: int
-    max_keys: int
-    rows: int
-    num_slots: int
-    cuda_graphs: bool | str  # True, False or "decode" (decode steps only)
-    compiled: bool = False
-    decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
 
 
 @dataclass
@@ -77,7 +71,7 @@ class Resources:
 
 @dataclass
 class Run:
-    """One `generate` call in progress: what the step functions of the two loops read and update."""
+    """One run in progress: what the step functions of the two loops read and update."""
 
     scheduler: Scheduler
     requests: list
@@ -85,15 +79,27 @@ class Run:
     streams: tuple
     slots: list
     runner: StepRunner
-    timeout: float | None
-    delays: dict | None
+    config: RunConfig
     on_step: Callable | None
-    shape: _Shape
-    mode: str = "sync"  # which loop's step function advances it (STEPS)
     in_flight: tuple | None = None  # async: (plan, slot) of the batch the device is running
     launched: int = 0  # async: steps launched so far (picks the slot)
+    listener: Callable | None = None  # serving.Loop.deliver: tokens to streams
+
+    @property
+    def mode(self) -> str:  # which loop's step function advances it (STEPS)
+        return self.config.mode
+
+    @property
+    def timeout(self) -> float | None:
+        return self.config.timeout
+
+    @property
+    def delays(self) -> dict:
+        return self.config.inject_delays
 
     def stepped(self, plan, done) -> None:
+        if self.listener is not None:
+            self.listener(plan, done)
         if self.on_step is not None:
             self.on_step(plan, done)
 
@@ -106,41 +112,38 @@ class Engine:
             raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
         self.model, self.keep = model, keep
         self.dev = None  # opened on first use, kept until close()
-        self.kept: OrderedDict[_Shape, Resources] = OrderedDict()
+        self.kept: OrderedDict[Shape, Resources] = OrderedDict()
         self.run: Run | None = None
+        self.loop: Loop | None = None  # while serving
+        self._busy = threading.Lock()  # held by the run in progress (a generate, or a serving context)
         self._compiled: CompiledStep | None = None
         self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
 
     # --- a run, step by step ------------------------------------------------------------------------
     def start(self, requests: list[Request], mode: str = "sync", *, timeline: Timeline | None = None,
-              max_batch_tokens: int = 256, max_batch_size: int | None = None, block_size: int = 16,
-              num_blocks: int | None = None, num_slots: int | None = None, cuda_graphs: bool | str | None = None,
-              compile: bool = False, inject_delays: dict | None = None, timeout: float | None = 600.0,
-              on_step: Callable | None = None) -> Run:
-        """Set up a run of `requests` (checked already, see `generate`); `step()` then advances it."""
-        model = self.model
-        if max_batch_size is None:
-            max_batch_size = min(32, max_batch_tokens)
-        if num_slots is None:
-            num_slots = 2 if mode == "async" else 1
-        if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda"
-        num_blocks, max_tokens, max_keys, rows = run_sizes(
-            model, [r.prompt for r in requests], max(r.max_new_tokens for r in requests), max_batch_size,
-            max_batch_tokens, block_size, num_blocks)
-        shape = _Shape(num_blocks, block_size, max_tokens, max_keys, rows, num_slots, cuda_graphs, compile,
-                       decode=(model.decode_attention, model.decode_kv_bucket))
+              on_step: Callable | None = None, **limits) -> Run:
+        """Set up a run of `requests` (minibatch.batching.requests.Request objects, e.g.
+        `Request(0, token_ids, max_new_tokens)`); `step()` then advances it. `limits` are generate's
+        (max_batch_tokens, max_batch_size, block_size, num_blocks, num_slots, cuda_graphs, compile,
+        inject_delays, timeout), checked here."""
+        if not requests or not all(isinstance(r, Request) for r in requests):
+            raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
+        config = make_config(self.model, mode, [len(r.prompt) for r in requests],
+                             max(r.max_new_tokens for r in requests), **limits)
+        return self._open(config, requests, timeline, on_step)
+
+    def _open(self, config: RunConfig, requests: list[Request], timeline: Timeline | None,
+              on_step: Callable | None) -> Run:
         self._weights_changed()
         dev = self._device()
         timeline = timeline if timeline is not None else Timeline()
         dev.set_timeline(timeline)
-        res = self._resources(shape)
-        scheduler = Scheduler(res.cache.allocator, max_batch_tokens, max_batch_size)
+        res = self._resources(config.shape)
+        scheduler = Scheduler(res.cache.allocator, config.max_batch_tokens, config.max_batch_size)
         for r in requests:
             scheduler.add(r)
         streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
-        self.run = Run(scheduler, requests, timeline, streams, res.slots, res.runner, timeout, inject_delays,
-                       on_step, shape, mode)
+        self.run = Run(scheduler, requests, timeline, streams, res.slots, res.runner, config, on_step)
         return self.run
 
     def has_work(self) -> bool:
@@ -154,7 +157,7 @@ class Engine:
         """End the run: wait for the device, check that every KV block came back; its requests, in order."""
         run = self.run
         self.dev.synchronize(run.timeout)
-        cache = self.kept[run.shape].cache
+        cache = self.kept[run.config.shape].cache
         if cache.allocator.num_free != cache.allocator.num_blocks:
             raise RuntimeError(f"KV blocks leaked: {cache.allocator.num_blocks - cache.allocator.num_free} "
                                "still owned after the run")
@@ -177,19 +180,23 @@ class Engine:
         `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
         fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
         `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
-        requests). Every argument is checked before any work (checks.py), including that the KV cache
-        and IO slots fit in free memory. `top_k` larger than the vocabulary keeps every token, as 0 does.
+        requests). Every argument is checked before any work (checks.py, config.py), including that the
+        KV cache and IO slots fit in free memory. `top_k` larger than the vocabulary keeps every token, as 0 does.
         `timeout` bounds every host wait on the device (seconds; None or inf: no limit): a device that
         stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
-        which prompt i reaches the server, to simulate requests arriving while the loop runs.
+        which prompt i reaches the scheduler, to simulate requests arriving while the loop runs.
         `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (runner/graphs.py); "decode" keeps
         prefill and mixed steps eager and unpadded, as they were before they could be graphs.
-        `compile=True` (CUDA only) runs decode steps through torch.compile first (step.CompiledStep).
+        `compile=True` (CUDA only) runs decode steps through torch.compile first (runner/compiled.py).
         `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
         seconds slept on that stream before each step's work) exist to show the race of notebook 04: one
         slot in the async loop gives wrong tokens, so it needs `allow_races=True` as well.
         `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
+        While the engine is serving, the prompts are submitted to it (its mode and limits apply).
         """
+        if self.loop is not None:
+            return self._generate_online(prompts, mode, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id)
         a = check_generate(self.model, prompts, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, timeline=timeline,
                            max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, block_size=block_size,
@@ -199,27 +206,106 @@ class Engine:
                            reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()))
         requests = [Request(i, p, a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + i),
                             a.eos_token_id, arrival_step=step) for i, (p, step) in enumerate(zip(a.prompts, a.arrival_steps))]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(requests), desc=f"generate ({mode})", unit="req")
-        try:
-            self.start(requests, mode, timeline=timeline, max_batch_tokens=a.max_batch_tokens,
-                       max_batch_size=a.max_batch_size, block_size=a.block_size, num_blocks=a.num_blocks,
-                       num_slots=a.num_slots, cuda_graphs=a.cuda_graphs, compile=compile,
-                       inject_delays=a.inject_delays, timeout=a.timeout, on_step=on_step)
-            while self.has_work():
-                done = self.step()
-                if bar is not None and done:
-                    bar.update(len(done))
-            self.finish()
-        except BaseException:
-            self._abandon()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        with self._exclusive(), _progress(progress, len(requests), mode) as bar:
+            try:
+                run = self._open(a.config, requests, timeline, on_step)
+                loop = Loop(self, run)  # the turns a serving thread runs, here in the caller's thread
+                while run.scheduler.has_work():
+                    finished = loop.turn()
+                    if bar is not None and finished:
+                        bar.update(finished)
+                self.finish()
+            except BaseException:
+                self._abandon()
+                raise
         return [r.output for r in requests]
+
+    def _generate_online(self, prompts, mode, **kw) -> list[list[int]]:
+        if mode != self.loop.run.mode:
+            raise ValueError(f"this engine is serving in {self.loop.run.mode!r} mode; generate(mode={mode!r}) "
+                             "cannot run beside it (leave serving() first, or use its mode)")
+        from .checks import token_lists
+
+        seed = kw.pop("seed")
+        streams = [self.submit(p, seed=seed + i, **kw) for i, p in enumerate(token_lists(prompts, self.model))]
+        return [s.wait().token_ids for s in streams]
+
+    # --- serving: requests that arrive while the loop runs -------------------------------------------
+    @contextmanager
+    def serving(self, mode: str = "async", *, max_batch_size: int = 8, max_batch_tokens: int = 256,
+                block_size: int = 16, num_blocks: int | None = None, max_queue: int | None = None,
+                timeline: Timeline | None = None, **limits):
+        """Serve requests submitted while the `with` block lasts, from a loop in a background thread.
+
+        The run is sized once, for `max_batch_size` requests of the model's whole context (or
+        `num_blocks` KV blocks), and checked against free memory; its KV cache, IO slots and CUDA graphs
+        serve every request. `max_queue` bounds the requests waiting for a seat (submit raises
+        QueueFull beyond it). Leaving the block ends every open stream ("cancelled") and joins the thread.
+        Other `limits` are generate's (cuda_graphs, compile, num_slots, inject_delays, timeout).
+        """
+        max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
+        context = self.model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
+        if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
+            context = min(context, _int("num_blocks", num_blocks) * block_size)
+        config = make_config(self.model, mode, [context] * max_batch_size, 1, max_batch_size=max_batch_size,
+                             max_batch_tokens=max_batch_tokens, block_size=block_size, num_blocks=num_blocks,
+                             reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()), **limits)
+        with self._exclusive():
+            run = self._open(config, [], timeline if timeline is not None else Timeline(limit=100_000), None)
+            self.loop = Loop(self, run, max_queue)
+            self.loop.start_thread()
+            try:
+                yield self
+            finally:
+                loop, self.loop = self.loop, None
+                loop.close()
+                if loop.error is None:
+                    self.finish()
+                else:
+                    self._abandon()
+
+    def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
+               stop: str | Sequence[str] | None = None) -> Stream:
+        """Hand one request to the serving loop, from any thread; returns its Stream at once.
+
+        The arguments mean what they mean in `generate` (a request submitted with seed S gives the
+        tokens `generate([prompt], seed=S)` gives); `stop` strings end it when its text contains one
+        (the text ends before it). A request that could never fit in the KV cache is refused here.
+        """
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError("submit needs a serving engine: `with engine.serving(): engine.submit(...)`")
+        a = check_request(self.model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop)
+        request = Request(next(loop.rids), a.prompt, a.max_new_tokens,
+                          SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), a.eos_token_id)
+        allocator = loop.run.scheduler.allocator
+        if allocator.blocks_for(request.max_len) > allocator.num_blocks:
+            raise ValueError(f"this request needs {request.max_len} tokens of KV cache but the serving cache holds "
+                             f"{allocator.num_blocks * allocator.block_size}: it could never run (raise num_blocks)")
+        return loop.submit(request, Stream(request.rid, len(a.prompt)), self.model.tokenizer, a.stop)
+
+    def stats(self) -> dict:
+        """The serving run's KV blocks and requests right now (a snapshot, read without stopping the loop)."""
+        if self.loop is None:
+            return {"serving": False}
+        s = self.loop.run.scheduler
+        return {"serving": True, "mode": self.loop.run.mode, "kv_blocks": s.allocator.num_blocks,
+                "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
+                "waiting": len(s.waiting) + len(self.loop.inbox)}
+
+    @contextmanager
+    def _exclusive(self):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this engine is busy with another run (a generate from another thread or from "
+                               "inside on_step, or a serving context): one engine runs one run at a time. "
+                               "To serve several callers, open `with engine.serving():` and submit or generate "
+                               "from any thread")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     # --- resources ----------------------------------------------------------------------------------
     def _device(self):
@@ -228,7 +314,7 @@ class Engine:
                 self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
         return self.dev
 
-    def _resources(self, shape: _Shape) -> Resources:
+    def _resources(self, shape: Shape) -> Resources:
         """The kept resources of this shape (most recently used now), or new ones; the least recently
         used set beyond `keep` is dropped, after the device has finished with it."""
         if shape in self.kept:
@@ -270,7 +356,7 @@ class Engine:
             self._reset_device()
             raise
         if run is not None:
-            self.kept.pop(run.shape, None)
+            self.kept.pop(run.config.shape, None)
 
     def _weights_changed(self) -> None:
         """Weights changed since the last run (loaded into the model, or moved by `.to()` and back):
@@ -320,6 +406,21 @@ def _version(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:  # a tensor made under inference_mode keeps no version counter
         return -1
+
+
+@contextmanager
+def _progress(on: bool, total: int, mode: str):
+    """A progress bar over finished requests, or None."""
+    if not on:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"generate ({mode})", unit="req")
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def generate(model: Model | Engine, prompts, **options) -> list[list[int]]:

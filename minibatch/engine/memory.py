@@ -25,9 +25,10 @@ from ..batching.slots import EXTENT
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
 
-def run_sizes(model, prompts, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks):
-    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of the run."""
-    need = sorted((-(-(len(p) + max_new_tokens - 1) // block_size) for p in prompts), reverse=True)
+def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks):
+    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of a run whose
+    requests have prompts of `lengths` tokens."""
+    need = sorted((-(-(n + max_new_tokens - 1) // block_size) for n in lengths), reverse=True)
     if num_blocks is None:  # enough for max_batch_size of the longest requests at once
         num_blocks = sum(need[:max_batch_size])
     if need[0] > num_blocks:
@@ -35,7 +36,7 @@ def run_sizes(model, prompts, max_new_tokens, max_batch_size, max_batch_tokens, 
                          f"has num_blocks={num_blocks}: it could never run")
     # the largest step, with the padding the graph layout may add (batch.py)
     rows = bucket(max_batch_size, ROW_BUCKETS)
-    longest = max(len(p) + max_new_tokens for p in prompts)
+    longest = max(lengths) + max_new_tokens
     width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
     tokens, keys = max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width)
     if model.device.type == "cuda":  # room for prefill steps padded to bucketed sizes (batch.pad_flat)

@@ -1,0 +1,166 @@
+"""The loop that serves requests arriving while it runs, in a thread of its own (notebook 08).
+
+Every caller goes through one loop. A turn of it:
+
+    take what arrived ─▶ scheduler.add, and honour cancels     (under the lock, at a step boundary)
+    one step           ─▶ sync_step or async_step               (schedule → launch → wait → update)
+    deliver            ─▶ each request's new tokens to its Stream; stop strings end requests here
+
+`Engine.serving()` runs turns in a background thread for as long as its `with` block lasts, so that
+`Engine.submit` can hand it requests from any thread at any moment; with nothing to do the thread
+sleeps on a condition (it never spins) and `submit` wakes it. An offline `generate` runs the same
+turns in the calling thread until its requests are done (so Ctrl-C lands where it always did).
+
+What overlap changes online: the async loop plans step N+1 before step N's tokens are back, so a
+request that arrives now joins at the next planning, one step in flight later; and a request that
+finishes (EOS, stop string, length, cancel) may still sit in the step in flight, whose token for it
+is dropped by `Scheduler.update`. No token past the end ever reaches a stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+
+from ..batching.requests import Request, RequestState
+from .stream import Chunk, Detokenizer, Stream
+
+
+class QueueFull(RuntimeError):
+    """`submit` refused a request: `max_queue` requests are waiting already (a server answers 503)."""
+
+
+class Loop:
+    """One run's turns (engine.Run), and what callers hand it: new requests and cancels."""
+
+    def __init__(self, engine, run, max_queue: int | None = None) -> None:
+        self.engine, self.run, self.max_queue = engine, run, max_queue
+        self.cond = threading.Condition(threading.Lock())
+        self.inbox: deque[tuple[Request, Stream]] = deque()
+        self.cancels: list[Stream] = []
+        self.streams: dict[Request, Stream] = {}  # online requests still running, and their streams
+        self.closing = False
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.rids = itertools.count()
+        run.listener = self.deliver
+
+    # --- callers (any thread) ---------------------------------------------------------------------
+    def submit(self, request: Request, stream: Stream, tokenizer, stop: tuple[str, ...]) -> Stream:
+        stream._request, stream._cancel = request, self.cancel
+        stream._detok = Detokenizer(tokenizer, stop)
+        with self.cond:
+            self._check_open()
+            if self.max_queue is not None and len(self.inbox) + len(self.run.scheduler.waiting) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting already (max_queue): try again later")
+            self.inbox.append((request, stream))
+            self.cond.notify()
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        with self.cond:
+            self.cancels.append(stream)
+            self.cond.notify()
+
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine's loop has failed ({type(self.error).__name__}: {self.error}); "
+                               "leave serving() and open it again") from self.error
+        if self.closing:
+            raise RuntimeError("the engine is not serving any more: submit inside `with engine.serving():`")
+
+    # --- the loop (one thread) --------------------------------------------------------------------
+    def turn(self) -> int:
+        """Take what arrived, run one step if there is work, deliver its tokens (deliver runs inside).
+        Returns how many requests finished."""
+        self._take_arrivals()
+        if self.run.scheduler.has_work():
+            self.engine.step()
+        finished = self.run.scheduler.finished
+        n = len(finished)
+        finished.clear()  # the streams and the callers hold what they need
+        return n
+
+    def _take_arrivals(self) -> None:
+        with self.cond:
+            arrived, self.inbox = list(self.inbox), deque()
+            cancels, self.cancels = self.cancels, []
+        scheduler, timeline = self.run.scheduler, self.run.timeline
+        for request, stream in arrived:
+            request.arrival_step = scheduler.step  # here and now
+            scheduler.add(request)
+            self.streams[request] = stream
+            timeline.mark(f"request {request.rid}", stream.arrival)
+        for stream in cancels:
+            request = stream._request
+            if scheduler.finish(request, "cancelled"):
+                self._end(request, stream, Chunk([], "", "cancelled"))
+
+    def deliver(self, plan, done) -> None:
+        """After an update: each online request's new tokens to its stream (called by the step)."""
+        now, scheduler = time.perf_counter(), self.run.scheduler
+        for chunk in plan.sampling_chunks:
+            r = chunk.request
+            stream = self.streams.get(r)
+            if stream is None:
+                continue  # offline, or ended already
+            if stream.first_scheduled is None:
+                stream.first_scheduled = r.scheduled_at
+            new = r.output[len(stream.token_ids):]
+            detok = stream._detok
+            text = detok.add(new)
+            if detok.stopped and r.state is not RequestState.FINISHED:
+                scheduler.finish(r, "stop")
+            if r.finish_reason is None:
+                stream.put(Chunk(new, text), now)
+            else:
+                text += detok.flush()
+                self._end(r, stream, Chunk(new, text, "stop" if detok.stopped else r.finish_reason), now)
+
+    def _end(self, request: Request, stream: Stream, chunk: Chunk, now: float | None = None) -> None:
+        self.streams.pop(request, None)
+        stream.put(chunk, time.perf_counter() if now is None else now)
+
+    # --- the background thread --------------------------------------------------------------------
+    def start_thread(self) -> None:
+        self.thread = threading.Thread(target=self._serve, name="minibatch-engine-loop", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        scheduler = self.run.scheduler
+        try:
+            while True:
+                with self.cond:  # sleep until there is something to do: a submit or a cancel wakes us
+                    self.cond.wait_for(lambda: self.closing or self.inbox or self.cancels or scheduler.has_work())
+                    if self.closing:
+                        return
+                self.turn()
+        except BaseException as e:  # noqa: BLE001 — every reader must learn of it, not wait forever
+            self.error = e
+        finally:
+            self._end_all()
+
+    def _end_all(self) -> None:
+        """Leaving: every request still open ends ("cancelled", or the loop's error) and frees its blocks."""
+        with self.cond:
+            self.closing = True
+            left = list(self.inbox)
+            self.inbox.clear()
+        now = time.perf_counter()
+        for request, stream in left + list(self.streams.items()):
+            self.run.scheduler.finish(request, "cancelled")
+            if self.error is not None:
+                stream.fail(self.error, now)
+            else:
+                stream.put(Chunk([], "", "cancelled"), now)
+        self.streams.clear()
+
+    def close(self) -> None:
+        """Stop the thread (the step in flight completes first) and end every open stream."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()

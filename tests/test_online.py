@@ -1,0 +1,324 @@
+"""Serving: requests submitted while the loop runs give the tokens they give alone, and nothing past
+their end ever reaches a stream (notebook 08; minibatch/engine/serving.py, stream.py)."""
+
+import asyncio
+import os
+import random
+import threading
+import time
+
+import pytest
+
+import minibatch
+from minibatch.engine.serving import QueueFull
+
+PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
+           "Assignment statements", "A string literal", "def f(x):", "Lists are"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return minibatch.load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    with minibatch.Engine(tiny) as e:
+        yield e
+
+
+def alone(model, prompt, **kw):
+    return minibatch.generate(model, [prompt], **kw)[0]
+
+
+def stop_reference(tok, tokens, stop):
+    """The tokens up to the one whose text first holds a stop string, and the text before it."""
+    for k in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:k])
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            return tokens[:k], text[:min(hits)], "stop"
+    return tokens, tok.decode(tokens), None
+
+
+def random_workload(rng, tok):
+    n = rng.randint(1, 6)
+    work = []
+    for i in range(n):
+        sampled = rng.random() < 0.5
+        kw = dict(max_new_tokens=rng.randint(1, 24), temperature=0.8 if sampled else 0.0,
+                  top_k=rng.choice([0, 20]), seed=rng.randint(0, 2**40),
+                  eos_token_id=rng.choice([None, tok.eos_token_id, 32, 101]))
+        stop = rng.choice([None, None, [" "], ["e"], ["(", "th"]])
+        work.append((rng.choice(PROMPTS), kw, stop, rng.random() * 0.02))
+    limits = rng.choice([dict(max_batch_size=2, max_batch_tokens=8), dict(max_batch_size=4, max_batch_tokens=16),
+                         dict(max_batch_size=8, max_batch_tokens=64)])
+    return work, limits
+
+
+def check_workload(model, work, limits, mode, seed):
+    """Submit `work` at its arrival times from a thread; compare each stream with the request alone."""
+    tok = model.tokenizer
+    streams = []
+    with minibatch.Engine(model) as engine, engine.serving(mode, **limits):
+        start = time.perf_counter()
+        for prompt, kw, stop, at in sorted(work, key=lambda w: w[3]):
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            streams.append((engine.submit(prompt, stop=stop, **kw), prompt, kw, stop))
+        for s, *_ in streams:
+            s.wait(timeout=60)
+        assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks"]
+    for s, prompt, kw, stop in streams:
+        ref = alone(model, prompt, **kw)
+        reason = None
+        if stop:
+            ref, text, reason = stop_reference(tok, ref, stop)
+            assert s.text == text, (seed, mode, prompt, kw, stop)
+        assert s.token_ids == ref, (seed, mode, prompt, kw, stop)
+        if reason is None:
+            eos = kw["eos_token_id"]
+            reason = "eos" if eos is not None and ref and ref[-1] == eos else "length"
+        assert s.finish_reason == reason, (seed, mode, prompt, kw, stop)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("seed", range(3))
+def test_online_equals_offline(tiny, mode, seed):
+    rng = random.Random(seed)
+    work, limits = random_workload(rng, tiny.tokenizer)
+    check_workload(tiny, work, limits, mode, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_online_equals_offline_many(tiny, mode):
+    for seed in range(100, 100 + int(os.environ.get("MINIBATCH_ONLINE_WORKLOADS", "250"))):
+        rng = random.Random(seed)
+        work, limits = random_workload(rng, tiny.tokenizer)
+        check_workload(tiny, work, limits, mode, seed)
+
+
+def test_submit_matches_generate_with_the_same_seed(tiny, engine):
+    ref = alone(tiny, "The for statement", max_new_tokens=32, temperature=0.7, seed=1)
+    with engine.serving("async", max_batch_size=8):
+        s = engine.submit("The for statement", max_new_tokens=32, temperature=0.7, seed=1)
+        chunks = list(s)
+    assert s.token_ids == ref and [t for c in chunks for t in c.token_ids] == ref
+    assert "".join(c.text for c in chunks) == s.text == tiny.tokenizer.decode(ref)
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len(s.token_times) == len(ref) and s.first_scheduled is not None and s.ttft > 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_no_token_after_the_end_reaches_a_stream(tiny, mode):
+    """EOS, a stop string and the length limit: a stream's tokens stop exactly where the request ends,
+    also in the async loop, whose next step is already in flight when it learns of the end."""
+    ref = alone(tiny, "The import system", max_new_tokens=40)
+    eos = ref[5]  # a token that surely comes up: EOS there
+    stop_at = tiny.tokenizer.decode(ref[10:12])
+    with minibatch.Engine(tiny) as engine, engine.serving(mode, max_batch_size=4):
+        by_eos = engine.submit("The import system", max_new_tokens=40, eos_token_id=eos)
+        by_stop = engine.submit("The import system", max_new_tokens=40, stop=[stop_at])
+        by_length = engine.submit("The import system", max_new_tokens=7)
+        for s in (by_eos, by_stop, by_length):
+            s.wait(30)
+    assert by_eos.token_ids == ref[:ref.index(eos) + 1] and by_eos.finish_reason == "eos"
+    toks, text, _ = stop_reference(tiny.tokenizer, ref, [stop_at])
+    assert by_stop.token_ids == toks and by_stop.text == text and by_stop.finish_reason == "stop"
+    assert by_length.token_ids == ref[:7] and by_length.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cancel_lets_at_most_the_step_in_progress_through(tiny, mode):
+    """Slow steps (an injected delay), so that the cancel lands while a step runs: after cancel()
+    returns, at most two chunks arrive (that step's token, then the end), and the blocks come back."""
+    with minibatch.Engine(tiny) as engine, engine.serving(mode, max_batch_size=2, inject_delays={"compute": 0.03}):
+        s = engine.submit("The for statement", max_new_tokens=200)
+        it = iter(s)
+        for _ in range(3):
+            next(it)
+        s.cancel()
+        after = list(it)
+        assert len(after) <= 2 and after[-1].finish_reason == "cancelled"
+        assert sum(len(c.token_ids) for c in after) <= 1
+        assert len(s.token_ids) <= 4
+        time.sleep(0.1)
+        assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks"]
+    assert s.finish_reason == "cancelled"
+
+
+def test_a_stream_keeps_its_tokens_for_a_late_reader(engine):
+    with engine.serving("sync", max_batch_size=2):
+        s = engine.submit("A class definition", max_new_tokens=10)
+        s.wait(30)
+        first, second = list(s), list(s)
+    assert first == second and sum(len(c.token_ids) for c in first) == 10
+
+
+def test_leaving_serving_cancels_open_streams(tiny):
+    with minibatch.Engine(tiny) as engine:
+        with engine.serving("async", max_batch_size=2, inject_delays={"compute": 0.02}):
+            streams = [engine.submit(p, max_new_tokens=300) for p in PROMPTS[:4]]
+            time.sleep(0.1)
+        assert all(s.finish_reason == "cancelled" for s in streams)
+        assert engine.loop is None and not [t for t in threading.enumerate() if t.name == "minibatch-engine-loop"]
+        assert minibatch.generate(engine, ["The for statement"], max_new_tokens=5)[0] == \
+            alone(tiny, "The for statement", max_new_tokens=5)  # usable again
+
+
+def test_asyncio_readers_never_block_the_event_loop(tiny):
+    """A heartbeat task beside 8 streaming tasks: its gaps stay far below a blocking read's."""
+    async def main(engine):
+        gaps, stop = [], asyncio.Event()
+
+        async def heartbeat():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        async def read(p):
+            s = engine.submit(p, max_new_tokens=24)
+            return [c async for c in s], s
+
+        hb = asyncio.create_task(heartbeat())
+        results = await asyncio.gather(*(read(p) for p in PROMPTS))
+        stop.set()
+        await hb
+        return gaps, results
+
+    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8,
+                                                          inject_delays={"compute": 0.01}):
+        gaps, results = asyncio.run(main(engine))
+    assert max(gaps) < 0.25, max(gaps)
+    for (chunks, s), p in zip(results, PROMPTS):
+        assert s.token_ids == alone(tiny, p, max_new_tokens=24)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_many_threads_and_tasks_submit_at_once(tiny):
+    refs = {p: alone(tiny, p, max_new_tokens=12, temperature=0.9, seed=7) for p in PROMPTS}
+    threads_before, fds_before = threading.active_count(), _fds()
+    results, errors = [], []
+    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8):
+        def worker(k):
+            try:
+                for j in range(12):
+                    p = PROMPTS[(k + j) % len(PROMPTS)]
+                    results.append((p, engine.submit(p, max_new_tokens=12, temperature=0.9, seed=7).wait(60)))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        async def tasks():
+            async def one(k):
+                p = PROMPTS[k % len(PROMPTS)]
+                s = engine.submit(p, max_new_tokens=12, temperature=0.9, seed=7)
+                async for _ in s:
+                    pass
+                results.append((p, s))
+            await asyncio.gather(*(one(k) for k in range(104)))
+
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in pool:
+            t.start()
+        asyncio.run(tasks())
+        for t in pool:
+            t.join()
+        stats = engine.stats()
+    assert not errors and len(results) == 200
+    assert all(s.token_ids == refs[p] for p, s in results)
+    assert stats["kv_blocks_free"] == stats["kv_blocks"]
+    time.sleep(0.2)
+    assert threading.active_count() == threads_before and _fds() <= fds_before
+
+
+def test_an_idle_serving_engine_sleeps(engine):
+    """No spinning: one idle second costs this process (every thread of it) well under 5% of a core."""
+    with engine.serving("async", max_batch_size=2):
+        engine.submit("x", max_new_tokens=2).wait(30)
+        before = time.process_time()
+        time.sleep(1.0)
+        used = time.process_time() - before
+    assert used < 0.05, used
+
+
+def test_bad_submissions_name_the_problem(tiny, engine):
+    with pytest.raises(RuntimeError, match="serving"):
+        engine.submit("x")
+    with engine.serving("sync", max_batch_size=2, num_blocks=4, block_size=4, max_queue=2,
+                        inject_delays={"compute": 0.05}):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.submit("x", max_new_tokens=0)
+        with pytest.raises(ValueError, match="could never run"):
+            engine.submit("x", max_new_tokens=40)
+        with pytest.raises(TypeError, match="stop"):
+            engine.submit("x", stop=[3])
+        with pytest.raises(ValueError, match="context"):
+            engine.submit("x", max_new_tokens=tiny.max_positions)
+        with pytest.raises(ValueError, match="serving in 'sync'"):
+            engine.generate(["x"], mode="async")
+        streams = [engine.submit("x", max_new_tokens=3) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            for _ in range(4):
+                streams.append(engine.submit("x", max_new_tokens=3))
+        for s in streams:
+            s.wait(30)
+
+
+def test_one_engine_many_callers_without_serving(tiny):
+    """Without serving, a second generate at the same time is refused with a clear error, and a
+    generate from inside on_step too; the engine works afterwards."""
+    with minibatch.Engine(tiny) as engine:
+        def reenter(plan, done):
+            engine.generate(["x"], max_new_tokens=2)
+
+        with pytest.raises(RuntimeError, match="busy"):
+            engine.generate(["The for statement"], max_new_tokens=4, on_step=reenter)
+        started, errors = threading.Event(), []
+
+        def slow(plan, done):
+            started.set()
+            time.sleep(0.05)
+
+        t = threading.Thread(target=lambda: engine.generate(["A class"], max_new_tokens=6, on_step=slow))
+        t.start()
+        started.wait(30)
+        try:
+            engine.generate(["x"], max_new_tokens=2)
+        except RuntimeError as e:
+            errors.append(e)
+        t.join()
+        assert errors and "busy" in str(errors[0])
+        assert engine.generate(["The for statement"], max_new_tokens=5)[0] == alone(tiny, "The for statement",
+                                                                                   max_new_tokens=5)
+
+
+def test_generate_while_serving_goes_through_submit(tiny, engine):
+    refs = minibatch.generate(tiny, PROMPTS[:3], max_new_tokens=8, temperature=0.8, seed=3)
+    with engine.serving("async", max_batch_size=4):
+        outs = [None, None]
+
+        def call(i):
+            outs[i] = engine.generate(PROMPTS[:3], max_new_tokens=8, temperature=0.8, seed=3, mode="async")
+
+        ts = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert outs == [refs, refs]
+
+
+def test_arrivals_are_marked_on_the_timeline(tiny):
+    tl = minibatch.Timeline()
+    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=2, timeline=tl):
+        engine.submit("x", max_new_tokens=3).wait(30)
+        time.sleep(0.02)
+        engine.submit("y", max_new_tokens=3).wait(30)
+    assert [label for _, label in tl.marks] == ["request 0", "request 1"]
+    assert tl.marks[0][0] < tl.marks[1][0] and minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
