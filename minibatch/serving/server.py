@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..engine.serving import QueueFull
 from . import protocol
 from .protocol import BadRequest, Params
 
@@ -97,9 +98,7 @@ class ServerState:
         except ValueError as e:  # the engine names its argument: translate it to the client's name
             param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
             raise BadRequest(str(e), param) from None
-        except RuntimeError as e:
-            if type(e).__name__ != "QueueFull":
-                raise
+        except QueueFull as e:
             raise BadRequest(f"the server is at capacity: {e}", None, "queue_full", 503, "server_overloaded",
                              {"Retry-After": "1"}) from None
         self.open.add(s)
