@@ -2,7 +2,7 @@
 port, driven by the official `openai` client and by raw HTTP (httpx) for the SSE framing.
 
 One server (async mode, tiny model, CPU) serves the whole module; a second, small one (one running
-request, one waiting) shows the full queue and the stop on SIGTERM.
+request, one waiting), started beside it, shows the full queue and then the stop on SIGTERM.
 """
 
 import asyncio
@@ -43,12 +43,14 @@ class Server:
         cmd = [sys.executable, "-m", "minibatch", "serve", "--model", "tiny", "--device", "cpu",
                "--port", str(self.port), *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> "Server":
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.output()}"
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
+                    return self
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
@@ -73,11 +75,21 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()
+def servers():
+    """Both servers start at once (start-up is mostly imports and loading: they overlap)."""
+    big = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64")
+    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1")
+    try:
+        yield big.wait_ready(), small.wait_ready()
+    finally:
+        big.stop()
+        small.stop()
+    assert big.proc.returncode == 0, big.output()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +311,8 @@ def test_report_arithmetic():
     assert s["tpot_ms"]["p50"] == pytest.approx(200) and s["failed"] == 1 and s["goodput"] == 0
 
 
-def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast():
-    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1")
+def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast(servers):
+    small = servers[1]
     try:
         body = {"model": "tiny", "prompt": "The for statement", "max_tokens": 450, "temperature": 0.8, "seed": 1,
                 "stream": True}
