@@ -1,0 +1,189 @@
+"""`python -m minibatch bench-serve`: measure any OpenAI-compatible server as its clients see it.
+
+    python -m minibatch bench-serve --url http://127.0.0.1:8000 --rates 2,8,inf --num-prompts 32 \\
+        --max-tokens 32 --prompt-len 32 --out out/serve --label async
+
+For each rate, `--num-prompts` streamed completions are sent through the official `openai` async
+client as a Poisson process (gaps drawn from a gamma distribution: `--burstiness` 1 is Poisson, lower is
+burstier; rate `inf` sends them all at t = 0), at most `--max-concurrency` at a time; bench_report.py
+turns each request's timings into TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and
+goodput.
+
+Prompts: text of random words from a fixed list, sized to about `--prompt-len` tokens of the server's
+own tokenizer (three short requests measure what a word and the template cost first; the server's
+`usage.prompt_tokens` of every request is reported), or with `--token-prompts` lists of exactly
+`--prompt-len` token ids below 256 (the completions API allows token-id prompts; not every server
+does). Every request asks for `max_tokens`; an EOS may end it sooner (`ignore_eos` is not OpenAI), so
+output tokens are counted from the server's `usage` (streamed with `stream_options.include_usage`
+where the server supports it, else one token per streamed chunk).
+
+Notebook 08 runs it against `serve` in the sync and the async mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from pathlib import Path
+
+from . import bench_report
+from .bench_report import RequestResult
+
+# short, distinct, whitespace-free words: a few tokens each in any tokenizer
+WORDS = ("the of and to in is was for on are with as his they be at one have this from or had by hot "
+         "word but what some we can out other were all there when up use your how said an each she which "
+         "do their time if will way about many then them write would like so these her long make thing see "
+         "him two has look more day could go come did number sound no most people my over know water than "
+         "call first who may down side been now find").split()
+
+
+async def _prompt_tokens(client, model: str, prompt, chat: bool) -> int:
+    if chat:
+        r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=1, temperature=0.0)
+    else:
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+    return r.usage.prompt_tokens
+
+
+async def make_prompts(client, model: str, n: int, prompt_len: int, token_prompts: bool, chat: bool,
+                       rng: random.Random) -> list:
+    """n prompts of about prompt_len tokens (exactly, for token-id prompts)."""
+    if token_prompts:
+        return [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(n)]
+    words = list(WORDS[:48])
+    one, two, many = [await _prompt_tokens(client, model, t, chat) for t in ("the", "the the", " ".join(words))]
+    overhead = 2 * one - two  # what the template (BOS, roles) adds, whatever the words
+    per_word = max((many - overhead) / len(words), 1e-3)
+    count = max(1, round((prompt_len - overhead) / per_word))
+    return [" ".join(rng.choice(words) for _ in range(count)) for _ in range(n)]
+
+
+async def supports_usage(client, model: str, chat: bool) -> bool:
+    """Does the server stream `usage` when asked (`stream_options`)? A server that refuses the field: no."""
+    import openai
+    try:
+        kw = dict(model=model, max_tokens=2, temperature=0.0, stream=True, stream_options={"include_usage": True})
+        if chat:
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": "the"}], **kw)
+        else:
+            stream = await client.completions.create(prompt="the", **kw)
+        return any([c.usage is not None async for c in stream])
+    except openai.BadRequestError:
+        return False
+
+
+def _is_token(chunk, chat: bool) -> bool:
+    if not chunk.choices:
+        return False
+    c = chunk.choices[0]
+    if chat:
+        return bool(c.delta and c.delta.content)
+    return bool(c.text) or c.finish_reason is None
+
+
+async def one_request(client, model: str, prompt, max_tokens: int, temperature: float, seed: int, chat: bool,
+                      usage: bool) -> RequestResult:
+    """Send one streamed request; time its chunks as they arrive."""
+    r = RequestResult()
+    kw = dict(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True)
+    if usage:
+        kw["stream_options"] = {"include_usage": True}
+    start = last = time.perf_counter()
+    tokens = 0
+    try:
+        if chat:
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+        else:
+            stream = await client.completions.create(prompt=prompt, **kw)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                r.prompt_tokens, r.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            if _is_token(chunk, chat):
+                if tokens == 0:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                tokens, last = tokens + 1, now
+        r.e2e = last - start
+        r.output_tokens = r.output_tokens or tokens
+        r.prompt_tokens = r.prompt_tokens or (len(prompt) if isinstance(prompt, list) else 0)
+        r.ok = tokens > 0
+        r.error = "" if r.ok else "no token streamed"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, never ends the run
+        r.error = f"{type(e).__name__}: {e}"[:300]
+    return r
+
+
+def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Send times (s): gamma gaps of mean 1/rate (shape `burstiness`; 1 is Poisson), or all at 0 at rate inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    t, times = 0.0, []
+    for _ in range(n):
+        times.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times
+
+
+async def run_rate(client, args, model: str, prompts: list, rate: float, usage: bool) -> dict:
+    """All prompts at one rate -> bench_report.summarize's numbers."""
+    from tqdm.auto import tqdm
+
+    rng = random.Random(args.seed)
+    times = arrival_times(len(prompts), rate, args.burstiness, rng)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    bar = tqdm(total=len(prompts), desc=f"rate {bench_report.rate_key(rate)}", disable=args.no_progress)
+
+    async def send(i: int, at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with limit:
+            r = await one_request(client, model, prompts[i], args.max_tokens, args.temperature, args.seed + i,
+                                  args.endpoint == "chat", usage)
+        bar.update(1)
+        return r
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(send(i, t) for i, t in enumerate(times)))
+    duration = time.perf_counter() - start
+    bar.close()
+    return bench_report.summarize(results, duration, args.slo)
+
+
+async def _run(args) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0,
+                                timeout=args.timeout)
+    try:
+        model = args.model or (await client.models.list()).data[0].id
+        chat = args.endpoint == "chat"
+        usage = await supports_usage(client, model, chat)
+        prompts = await make_prompts(client, model, args.num_prompts, args.prompt_len, args.token_prompts, chat,
+                                     random.Random(args.seed))
+        rates = {}
+        for rate in args.rates:
+            rates[bench_report.rate_key(rate)] = s = await run_rate(client, args, model, prompts, rate, usage)
+            print(bench_report.format_row(rate, s), flush=True)
+            for e in s["errors"]:
+                print(f"  failed: {e}", flush=True)
+    finally:
+        await client.close()
+    config = {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "burstiness",
+                                            "max_concurrency", "temperature", "seed", "endpoint", "token_prompts")}
+    return {"url": args.url, "model": model, "config": {**config, "slo_ms": args.slo, "usage_streamed": usage},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates}
+
+
+def main(args) -> int:
+    """Run every rate, print a line each, merge into args.out/bench_serve.json and redraw the figure."""
+    out = Path(args.out)
+    run = asyncio.run(_run(args))
+    label = args.label or args.url.split("//")[-1].rstrip("/")
+    data = bench_report.save(out, label, run)
+    print(f"wrote {out / 'bench_serve.json'} and {bench_report.plot(out, data)}")
+    failed = sum(s["failed"] for s in run["rates"].values())
+    return 1 if failed else 0

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server: a thin FastAPI + uvicorn layer over the engine's `submit`.
+
+    python -m minibatch serve --model tiny [--mode async] [--port 8000]
+
+Endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (with `"stream": true`, server-sent
+events: one `data: {...}` chunk per token, then `data: [DONE]`), `GET /v1/models`, `GET /health`
+(the engine's KV blocks, free and in all, its running and waiting requests, and how many requests were
+cancelled because their client hung up). The request bodies
+and their checks are protocol.py's.
+
+One engine, sized once, runs its loop in a background thread for the server's whole life (FastAPI's
+lifespan); each request is one `engine.submit(...)`, and its stream is read on the event loop without
+blocking it. A client that hangs up cancels its request (the engine frees its KV blocks at the next
+update); a full queue answers 503 with Retry-After. SIGINT or SIGTERM: the listening socket closes,
+open streams end (finish_reason "abort"), and the process exits with status 0.
+
+Notebook 08 explains the server; bench_serve.py measures it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..engine.serving import QueueFull
+from . import protocol
+from .protocol import BadRequest, Params
+
+# engine argument names -> the OpenAI parameter a client sent
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature": "temperature", "top_p": "top_p",
+                "top_k": "top_k", "seed": "seed", "stop": "stop"}
+
+
+class ServerState:
+    """What the endpoints share: the model, its engine, the streams still open."""
+
+    def __init__(self, model, name: str, eos, serving: dict):
+        self.model, self.name, self.eos, self.serving = model, name, eos, serving
+        self.engine = None
+        self.open: set = set()  # streams not yet finished or given up
+        self.cancelled = 0  # requests cancelled because their client hung up
+        self.created = int(time.time())
+
+    def cancel_all(self) -> None:
+        for s in list(self.open):
+            s.cancel()
+
+    def close(self, s) -> None:
+        """A request's answer is over (sent, or its client gone): cancel it if the engine is still on it."""
+        if s in self.open:
+            self.open.discard(s)
+            if not s.done:
+                s.cancel()
+                self.cancelled += 1
+
+    def tokens(self, p: Params) -> tuple[list[int], list[str]]:
+        """The prompt's token ids, and stop strings a chat template adds."""
+        tok, vocab = self.model.tokenizer, self.model.vocab_size
+        if isinstance(p.prompt, list) and not p.chat:
+            bad = [t for t in p.prompt if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} of 'prompt' is outside the vocabulary [0, {vocab})", "prompt")
+            return list(p.prompt), []
+        if tok is None:
+            raise BadRequest(f"model {self.name!r} has no tokenizer: send 'prompt' as a list of token ids",
+                             "messages" if p.chat else "prompt")
+        if p.chat:
+            return protocol.chat_prompt(tok, p.prompt)
+        return list(tok.encode(p.prompt)), []
+
+    def submit(self, p: Params):
+        """Check the request against the model, then hand it to the engine -> (stream, prompt length)."""
+        ids, extra_stop = self.tokens(p)
+        if (p.stop or extra_stop) and self.model.tokenizer is None:
+            raise BadRequest("'stop' needs a tokenizer, and this model has none", "stop")
+        context = self.model.max_positions or 2**31
+        if len(ids) >= context:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the model's context is {context}", "prompt",
+                             "context_length_exceeded")
+        max_tokens = context - len(ids) if p.max_tokens is None else p.max_tokens
+        if len(ids) + max_tokens > context:
+            raise BadRequest(f"'max_tokens' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for "
+                             f"{context - len(ids)} in the model's context of {context}", "max_tokens",
+                             "context_length_exceeded")
+        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+        try:
+            s = self.engine.submit(ids, max_new_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k,
+                                   top_p=p.top_p, seed=seed, eos_token_id=self.eos, stop=p.stop + extra_stop)
+        except ValueError as e:  # the engine names its argument: translate it to the client's name
+            param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
+            raise BadRequest(str(e), param) from None
+        except QueueFull as e:
+            raise BadRequest(f"the server is at capacity: {e}", None, "queue_full", 503, "server_overloaded",
+                             {"Retry-After": "1"}) from None
+        self.open.add(s)
+        return s, len(ids)
+
+
+def _frame(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _watch_disconnect(state: ServerState, request, s) -> None:
+    """Cancel the request when its client hangs up, even before its first token is sent."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            state.close(s)
+            return
+
+
+async def _sse(state: ServerState, request, s, prompt_tokens: int, p: Params):
+    rid, name = protocol.new_id(p.chat), state.name
+    watcher = asyncio.ensure_future(_watch_disconnect(state, request, s))
+    n = 0
+    try:
+        if p.chat:
+            yield _frame(protocol.chunk(rid, name, True, None, role=True))
+        async for c in s:
+            n += len(c.token_ids)
+            finish = protocol.FINISH.get(c.finish_reason) if c.finish_reason else None
+            if c.token_ids or c.text or finish:
+                yield _frame(protocol.chunk(rid, name, p.chat, c.text, finish))
+        if p.include_usage:
+            yield _frame(protocol.chunk(rid, name, p.chat, None, use=protocol.usage(prompt_tokens, n)))
+        yield "data: [DONE]\n\n"
+    finally:  # also on a client that hung up (GeneratorExit / CancelledError at a yield)
+        watcher.cancel()
+        state.close(s)
+
+
+def _error(e: BadRequest):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _handle(state: ServerState, request, chat: bool):
+    try:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        p = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+        if body.get("model") not in (None, "", state.name):
+            raise BadRequest(f"the model {body['model']!r} does not exist (this server has {state.name!r})",
+                             "model", "model_not_found", 404)
+        s, prompt_tokens = state.submit(p)
+    except BadRequest as e:
+        return _error(e)
+    if p.stream:
+        return StreamingResponse(_sse(state, request, s, prompt_tokens, p), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        async for _ in s:
+            pass
+    finally:
+        state.close(s)
+    use = protocol.usage(prompt_tokens, len(s.token_ids))
+    finish = protocol.FINISH.get(s.finish_reason, s.finish_reason)
+    return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, s.text or "", finish, use))
+
+
+def _warm_up(state: ServerState) -> None:
+    """One short request before the server says it is ready, so the first client pays no first-step cost."""
+    ids = list(range(1, min(9, state.model.vocab_size)))
+    state.engine.submit(ids, max_new_tokens=2, temperature=0.0, seed=0).wait()
+
+
+def create_app(state: ServerState):
+    """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
+    from ..engine.engine import Engine
+
+    @asynccontextmanager
+    async def lifespan(app):
+        with Engine(state.model) as engine, engine.serving(**state.serving):
+            state.engine = engine
+            await asyncio.to_thread(_warm_up, state)
+            print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device}; "
+                  "ready", file=sys.stderr, flush=True)
+            try:
+                yield
+            finally:
+                state.cancel_all()
+                state.engine = None
+
+    app = FastAPI(title="minibatch", lifespan=lifespan)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):  # 404, 405, ... in OpenAI's shape too
+        return _error(BadRequest(str(exc.detail), None, None, exc.status_code, "invalid_request_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(state, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
+                                            "owned_by": "minibatch", "max_model_len": state.model.max_positions}]}
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return {"status": "ok", **state.engine.stats(), "cancelled": state.cancelled}
+
+    return app
+
+
+def model_eos(model):
+    """The ids that end a reply: the tokenizer's EOS, else the generation config's (one id or a list)."""
+    tok = model.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        return tok.eos_token_id
+    gen = getattr(model.hf, "generation_config", None)
+    return getattr(gen, "eos_token_id", None)
+
+
+def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, **serving) -> int:
+    """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed)."""
+    import uvicorn
+
+    state = ServerState(model, name, model_eos(model), serving)
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=1)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            loop = self._loop
+            if loop is not None:  # end open streams now, so their connections close within the grace period
+                loop.call_soon_threadsafe(state.cancel_all)
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    server = Server(config)
+    server._loop = None
+    # uvicorn raises the signal it caught again once it has stopped; ignoring it then keeps the exit
+    # status 0 (the default handlers would end the process with the signal instead)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Serving on the GPU, into the folder given as the first argument:
+#
+#   bash scripts/gpu/serve_bench.sh OUTDIR
+#
+# 1. the 8B shape with random weights saved as a folder in bf16, with a word-level tokenizer
+#    (save_random_folder.py: one token per bench-serve word, so every server sees the same prompt lengths);
+# 2. our server from that folder, sync, async, async --compile (cold: an empty TORCHINDUCTOR_CACHE_DIR),
+#    async --compile again (warm: the same cache); the time from `serve` to a ready /health of each;
+# 3. bench-serve against each (sync, async: 4 rates; compile: rate inf), 64 prompts of 256 tokens, 256 new
+#    tokens, greedy; the offline engine (`bench`) on the same workload, for the rate-inf comparison;
+# 4. `transformers serve --continuous-batching` on the same folder, in its own process, driven by the same
+#    bench-serve (completions, else chat); if it cannot run, its log says why.
+# Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each.
+# Needs: a CUDA GPU with ~60 GB free, ~20 GB of disk, fastapi, uvicorn and openai (wheels: set WHEELS=DIR to
+# install them from there without a network); about 8 minutes. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
+# COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu NUM_PROMPTS=8 LEN=32 COMPILE=0).
+set -uo pipefail
+out=${1:?usage: serve_bench.sh OUTDIR}
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
+rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
+if [ -n "${WHEELS:-}" ]; then pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai; fi
+python3 -c "import fastapi, uvicorn, openai" || { echo "needs fastapi, uvicorn and openai (set WHEELS=DIR)"; exit 1; }
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+  torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/versions.txt"
+
+folder=$out/$model-folder
+dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)
+[ -f "$folder/config.json" ] || python3 scripts/gpu/save_random_folder.py "$model" "$folder" --device "$device" \
+  --dtype "$dtype" > "$out/save.log" 2>&1 || { tail -5 "$out/save.log"; exit 1; }
+limits=(--max-batch-size "$n" --max-batch-tokens 2048)
+bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len"
+       --slo ttft=1000,tpot=50 --out "$out" --no-progress)
+printf 'label\tseconds_to_ready_health\n' > "$out/startup.tsv"
+
+start() {  # start LABEL COMMAND...: run the server in the background, wait for /health (10 min at most)
+  local label=$1; shift
+  local t0=$EPOCHREALTIME
+  "$@" > "$out/server-$label.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 6000); do
+    if curl -sf "$url/health" > /dev/null 2>&1; then
+      awk -v l="$label" -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "%s\t%.1f\n", l, b - a}' \
+        | tee -a "$out/startup.tsv"
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || { echo "$label: the server exited:"; tail -5 "$out/server-$label.log"; return 1; }
+    sleep 0.1
+  done
+  echo "$label: no ready /health in 10 minutes"; stop; return 1
+}
+stop() {  # SIGTERM, then the time it took to exit
+  local t0=$EPOCHREALTIME
+  kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
+  awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
+}
+ours() {  # ours LABEL RATES SERVE-FLAGS...
+  local label=$1 r=$2; shift 2
+  echo "== $label ($(date -u +%H:%M:%S))"
+  start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
+    || return 1
+  [ "$r" = none ] || python3 -m minibatch bench-serve "${bench[@]}" --rates "$r" --label "$label" \
+    > "$out/bench-$label.log" 2>&1; tail -n +1 "$out/bench-$label.log" | grep -E "^rate|failed" || true
+  stop
+}
+
+ours sync "$rates" --mode sync
+ours async "$rates" --mode async
+if [ "${COMPILE:-1}" = 1 ]; then
+  export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
+  rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+  ours async+compile inf --mode async --compile   # cold: compiles everything
+  ours async+compile-warm none --mode async --compile  # warm: the same on-disk caches, start-up only
+fi
+
+echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
+python3 -m minibatch bench --model "$folder" --device "$device" --modes sync,async --num-prompts "$n" \
+  --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
+  > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
+
+echo "== transformers serve --continuous-batching ($(date -u +%H:%M:%S))"
+tf=(transformers serve "$folder" --continuous-batching --host 127.0.0.1 --port "$port" --device "$device")
+if start transformers "${tf[@]}"; then
+  for endpoint in completions chat; do
+    timeout 300 python3 -m minibatch bench-serve "${bench[@]}" --model "$folder" --endpoint "$endpoint" \
+      --label transformers > "$out/bench-transformers-$endpoint.log" 2>&1 && break
+    echo "transformers serve: bench-serve on $endpoint failed:"; grep -E "failed|error" \
+      "$out/bench-transformers-$endpoint.log" | head -3
+  done
+  grep -hE "^rate" "$out"/bench-transformers-*.log
+  stop
+else
+  echo "transformers serve could not start; its log:"; tail -20 "$out/server-transformers.log"
+fi
+cat "$out/startup.tsv"
