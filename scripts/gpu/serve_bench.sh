@@ -18,7 +18,7 @@
 set -uo pipefail
 out=${1:?usage: serve_bench.sh OUTDIR}
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
@@ -68,25 +68,31 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   stop
 }
 
+if [ "${OURS:-1}" = 1 ]; then  # OURS=0 / TF=0 run only one side (two device calls of a few minutes each)
 ours sync "$rates" --mode sync
 ours async "$rates" --mode async
-if [ "${COMPILE:-1}" = 1 ]; then
+fi
+if [ "${OURS:-1}" = 1 ] && [ "${COMPILE:-1}" = 1 ]; then
   export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
   ours async+compile inf --mode async --compile   # cold: compiles everything
   ours async+compile-warm none --mode async --compile  # warm: the same on-disk caches, start-up only
 fi
 
+if [ "${OURS:-1}" = 1 ]; then
 echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
 python3 -m minibatch bench --model "$folder" --device "$device" --modes sync,async --num-prompts "$n" \
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
+fi
+[ "${TF:-1}" = 1 ] || { cat "$out/startup.tsv"; exit 0; }
 
 echo "== transformers serve --continuous-batching ($(date -u +%H:%M:%S))"
 tf=(transformers serve "$folder" --continuous-batching --host 127.0.0.1 --port "$port" --device "$device")
 if start transformers "${tf[@]}"; then
   for endpoint in completions chat; do
-    timeout 300 python3 -m minibatch bench-serve "${bench[@]}" --model "$folder" --endpoint "$endpoint" \
+    timeout 300 python3 -m minibatch bench-serve "${bench[@]}" --rates "${TF_RATES:-$rates}" --model "$folder" \
+      --endpoint "$endpoint" \
       --label transformers > "$out/bench-transformers-$endpoint.log" 2>&1 && break
     echo "transformers serve: bench-serve on $endpoint failed:"; grep -E "failed|error" \
       "$out/bench-transformers-$endpoint.log" | head -3
