@@ -27,6 +27,9 @@ and all later work waits for it: concurrency gone (notebook 02).
   cpu-threads  the same device as worker threads of the host's interpreter (devices/threads.py):
                really concurrent, but sharing the host's GIL; device work may touch host objects.
 
+  cpu_process.py  the cpu device's process: its message loop, running work on its streams.
+  names.py      how work's objects travel to the cpu device process (shared storages, named objects).
+  settings.py   process-wide settings the cpu devices hold (GIL switch interval, torch threads).
   lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
   limits.py     how much memory this process may still allocate (free memory, ulimit, cgroup).
 

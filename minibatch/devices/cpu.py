@@ -49,7 +49,6 @@ import atexit
 import multiprocessing
 import os
 import pickle
-import re
 import signal
 import socket
 import time
@@ -60,7 +59,7 @@ import torch
 
 from ..compat import share_fd
 from . import cpu_process as device_process
-from . import lifecycle
+from . import lifecycle, limits
 from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 from .names import Names
 from . import settings
@@ -227,7 +226,7 @@ class CpuDevice(Device):
             t.share_memory_()
         except RuntimeError as exc:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            raise _no_shared_memory(nbytes, exc) from None
+            raise limits.shared_memory_error(nbytes, exc) from None
         storage = t.untyped_storage()
         _, nbytes = share_fd(storage)
         key = self._names.new_key()
@@ -448,19 +447,6 @@ def _close_fd(fd: int | None) -> None:
         except OSError:
             pass
     return None
-
-
-def _no_shared_memory(nbytes: int, exc: RuntimeError) -> ValueError:
-    """A shared-memory allocation that failed (a memory limit): remove the file torch left, say what to lower."""
-    # torch names the file it created in /dev/shm and leaves it there when mmap fails after creating it
-    for name in re.findall(r"<(/torch_[^<>/]+)>", str(exc)):
-        try:
-            os.unlink("/dev/shm" + name)
-        except OSError:
-            pass
-    return ValueError(f"the cpu device could not allocate {nbytes / 1e9:.2f} GB of shared memory "
-                      f"({' '.join(str(exc).split())}): a memory limit (ulimit -v, a container's cgroup) or a "
-                      "full /dev/shm. Lower num_blocks (the KV cache) or max_batch_tokens (the IO slots)")
 
 
 def _signal_name(number: int) -> str:

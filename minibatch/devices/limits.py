@@ -8,12 +8,14 @@ Free memory is the smallest of three numbers, each of which can be the one that 
     the cgroup        a container's memory limit minus its usage (cgroup v2 memory.max, v1 limit_in_bytes),
                       not counting page cache the kernel can drop (inactive_file)
 
-A number that cannot be read counts as no limit: a check never refuses on a guess.
+A number that cannot be read counts as no limit: a check never refuses on a guess. When an allocation
+fails all the same, `shared_memory_error` turns torch's error into one that says what to lower.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 UNKNOWN = 2**62  # "no limit known"
 
@@ -86,3 +88,16 @@ def _cgroup_left() -> int:
         used = int(usage) - _inactive_file(stat, "total_inactive_file")
         return max(0, int(limit) - max(0, used))
     return UNKNOWN
+
+
+def shared_memory_error(nbytes: int, exc: RuntimeError) -> ValueError:
+    """A shared-memory allocation that failed (a memory limit): remove the file torch left, say what to lower."""
+    # torch names the file it created in /dev/shm and leaves it there when mmap fails after creating it
+    for name in re.findall(r"<(/torch_[^<>/]+)>", str(exc)):
+        try:
+            os.unlink("/dev/shm" + name)
+        except OSError:
+            pass
+    return ValueError(f"the cpu device could not allocate {nbytes / 1e9:.2f} GB of shared memory "
+                      f"({' '.join(str(exc).split())}): a memory limit (ulimit -v, a container's cgroup) or a "
+                      "full /dev/shm. Lower num_blocks (the KV cache) or max_batch_tokens (the IO slots)")
