@@ -24,6 +24,7 @@ copies over the keys, not Python work per key.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -172,15 +173,15 @@ def _gather(chunks, allocator, decode_layout: bool):
         # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
         starts_l = [c.start for c in chunks]
         sampled = [c.request for c in chunks]
-        tables = [_table(r, allocator, s + 1) for r, s in zip(sampled, starts_l)]
         ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
         starts = np.array(starts_l, np.int64)
+        tables = _tables(sampled, allocator, [s + 1 for s in starts_l])
         return tables, ids, starts, starts + 1, np.ones(n, np.int64), np.ones(n, bool), sampled, True
     # one pass over the chunks; everything else is numpy over whole arrays
     ids: list[int] = []
-    tables, starts, ends, sample, sampled = [], [], [], [], []
+    starts, ends, sample, sampled = [], [], [], []
     for r, start, end, samples in chunks:
-        tables.append(_table(r, allocator, end)), starts.append(start), ends.append(end), sample.append(samples)
+        starts.append(start), ends.append(end), sample.append(samples)
         prompt = r.prompt
         if end <= len(prompt):  # (part of) the prompt: all known
             ids.extend(prompt[start:end])
@@ -190,6 +191,7 @@ def _gather(chunks, allocator, decode_layout: bool):
             ids.extend(input_token(r, p) for p in range(start, end))
         if samples:
             sampled.append(r)
+    tables = _tables([c.request for c in chunks], allocator, ends)
     starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
     counts = ends - starts
     decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
@@ -260,12 +262,17 @@ def _scratch_table(scratch: int) -> np.ndarray:
     return np.full(1, scratch, np.int64)
 
 
-def _table(r: Request, allocator, end: int) -> np.ndarray:
-    """r's cell table (kept by the cache's allocator), checked to cover its tokens up to `end`."""
-    table = allocator.cell_table(r.blocks)
-    if end > len(table):
+_BLOCKS = operator.attrgetter("blocks")
+
+
+def _tables(requests: list[Request], allocator, ends: list[int]) -> list[np.ndarray]:
+    """The requests' cell tables (kept by the cache's allocator), checked to cover each one's tokens
+    up to its end in `ends`."""
+    tables = allocator.cell_tables(list(map(_BLOCKS, requests)))
+    if any(map(operator.gt, ends, map(len, tables))):
+        r, end, table = next((r, e, t) for r, e, t in zip(requests, ends, tables) if e > len(t))
         raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
-    return table
+    return tables
 
 
 def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_bucket: int):
