@@ -2,7 +2,7 @@
 
 Why: in a decode step a Linear layer costs the time to stream its weight from memory, and small
 weights stream slowly. In an 8B Llama the k and v projections (4096 x 1024) reach about a third of
-the bandwidth the MLP's big matrices reach (scripts/gpu/skinny_mm_ab.py, BENCHMARKS.md): too little
+the bandwidth the MLP's big matrices reach (scripts/experiments/skinny_mm_ab.py, BENCHMARKS.md): too little
 work per kernel to keep the whole GPU reading. q, k and v read the same input, as do the MLP's gate
 and up; one product over their stacked weights reads the same bytes in fewer, larger kernels.
 

@@ -1,7 +1,7 @@
 """Where does a graphed decode step's time go, and which change moves it? (H200, 8B shape, batch 32)
 
-    python3 scripts/gpu/step_ab.py OUTDIR            # on a GPU machine; writes OUTDIR/step_ab.txt
-    python3 scripts/gpu/step_ab.py OUTDIR --compile  # only: the same step through torch.compile (OUTDIR/compile.txt)
+    python3 scripts/experiments/step_ab.py OUTDIR            # on a GPU machine; writes OUTDIR/step_ab.txt
+    python3 scripts/experiments/step_ab.py OUTDIR --compile  # only: the same step through torch.compile (OUTDIR/compile.txt)
 
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
