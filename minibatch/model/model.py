@@ -122,7 +122,7 @@ class Model:
         return out.logits[0]
 
     def forward_sample(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
-        """Forward + sample -> [R] int64 next tokens (what `step` runs; what a compiled step compiles).
+        """Forward + sample -> [R] int64 next tokens (what `next_tokens` runs; what a compiled step compiles).
         `decode_attention` overrides the model's for this call."""
         logits = self._forward(batch, cache, decode_attention)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
@@ -135,8 +135,10 @@ class Model:
         return self._forward(batch, cache)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
-        """Forward + sample, all on the device -> [R] int64 next tokens. No host sync."""
+    def next_tokens(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """Forward + sample, all on the device -> [R] int64 next tokens. No host sync. (A *step* is one
+        turn of the loop: schedule, build, launch this, update; `forward_sample` is the same work
+        outside inference mode, for torch.compile.)"""
         return self.forward_sample(batch, cache)
 
 

@@ -54,7 +54,7 @@ def timer(model, cache, batch, repeats: int):
     out = torch.empty(batch.num_sampled, dtype=torch.int64, device=model.device)
 
     def step():
-        out.copy_(model.step(batch, cache))
+        out.copy_(model.next_tokens(batch, cache))
 
     if model.device.type != "cuda":
         def run():
