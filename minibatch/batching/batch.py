@@ -111,16 +111,15 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch cell, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
-    every step: cuDNN attention builds a new plan for every new shape, which takes long (BENCHMARKS.md,
-    history: the first sync loop).
+    every step: cuDNN attention builds a new plan for every new shape, which takes long.
 
     decode_layout: when every chunk is a single decode token, lay the keys out as a table of
     [rows, L] (row r = request r's context, padded with the scratch cell to L, a multiple of
     decode_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
     cell). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
-    come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py). L is a multiple of
+    come from a small set, so each (rows, L) pair can be a CUDA graph (runner/graphs.py). L is a multiple of
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
-    graphs (model.py says which sizes we use and why).
+    graphs (model/model.py says which sizes we use and why).
     """
     n = len(plan.chunks)
     tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.allocator, decode_layout)
@@ -224,7 +223,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
                          exists, so a padding token's attention row is never empty, which would be NaN)
         padding rows     sample the last token greedily; the host reads only the real rows
 
-    Why: an eager prefill step of a small model is bound by the host launching ~1500 kernels one by
+    Why: an eager prefill step of a small model is bound by the host launching its kernels one by
     one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
     replays the step with one launch. Padding costs compute (at most an eighth more tokens above 256
     with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.

@@ -83,8 +83,9 @@ class Model:
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
         # decode-layout attention: "triton" (reads the paged cache in place: triton_decode.py), "sdpa"
         # (gathers each row's keys, then one fused kernel) or "einsum" (the readable version). On a GPU
-        # the Triton kernel is the default where Triton is installed: it was faster than the gather +
-        # SDPA at every batch and context measured (BENCHMARKS.md)
+        # the Triton kernel is the default where Triton is installed: it reads the keys in place instead
+        # of gathering a copy first, and is the faster of the two at every batch and context in
+        # BENCHMARKS.md
         self.decode_attention = "einsum"
         if cuda:
             from . import triton_decode
