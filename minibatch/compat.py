@@ -2,8 +2,10 @@
 
 minibatch keeps to public APIs where one exists. Where none does, the hook lives here, so that a new
 PyTorch or Python version breaks one function with a name and a test, not a loop somewhere far away.
-Each function says why it is needed, what it relies on, and what it does on the versions tested
-(PyTorch 2.11 and 2.13, CPython 3.10-3.12); none changes behaviour between them.
+Each function says why it is needed, what it relies on, and what it does on the PyTorch versions the
+project runs on (2.13 on the CPU, 2.11 on the GPU machine of BENCHMARKS.md); tests/test_compat.py
+checks each hook on whichever version is installed, so running it under another one says which
+hooks still hold.
 
     tensor_version     a tensor's in-place write counter (Tensor._version)          engine
     rebind_data        point a parameter at other storage (Tensor.data = ...)       runner/siblings.py

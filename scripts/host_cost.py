@@ -58,7 +58,7 @@ def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout
     that runs one decode step's host work and returns the seconds of each of PARTS.
 
     `pkg` is the package to take every piece from ("minibatch", or another checkout's copy of it,
-    scripts/host_cost_ab.py); `dev` gives the IO slot its buffers."""
+    scripts/experiments/host_cost_ab.py); `dev` gives the IO slot its buffers."""
     m = {name: _module(pkg, name) for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over")}
     m["buckets"] = _module(pkg, "buckets")
     R = m["requests"]

@@ -321,6 +321,7 @@ CLI_CASES = [
     (["bench", "--max-batch-tokens", "x"], "argument --max-batch-tokens: must be an integer >= 1"),
     (["bench", "--seed", "99999999999999999999999"], "argument --seed: must be an integer >= 0"),
     (["bench", "--hf-memory", "nan"], r"argument --hf-memory: must be a number in \(0, 1\]"),
+    (["bench", "--hf", "sync_turbo"], r"argument --hf: --hf takes 'default', 'all' or some of sync_eager"),
     (["demo", "--temperature", "inf"], "argument --temperature: must be a number"),
     (["demo", "--modes", "turbo"], "argument --modes: unknown mode 'turbo'"),
     (["demo", "--out", "/dev/null/x"], "--out '/dev/null/x' cannot be written"),

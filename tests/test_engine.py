@@ -81,7 +81,7 @@ def plans(model):
 def test_device_work_reads_no_tensor_value_and_builds_no_mask(random_llama, monkeypatch):
     cache, mixed, decode = plans(random_llama)
     for batch in (build_batch(mixed, cache), build_batch(decode, cache, 8, True, ROW_BUCKETS, 8)):
-        assert host_reads(lambda: random_llama.step(batch, cache), monkeypatch) == (0, 0)
+        assert host_reads(lambda: random_llama.next_tokens(batch, cache), monkeypatch) == (0, 0)
     # the detector does see the reads transformers makes when it builds its own mask
     batch = build_batch(mixed, cache)
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def test_padding_a_flat_batch_changes_no_real_row(name):
     want, got = model.logits(plain, cache), model.logits(padded, cache)
     assert torch.isfinite(got).all()  # padding tokens see at least one key: no NaN anywhere
     torch.testing.assert_close(got[:r], want, rtol=1e-5, atol=1e-5)
-    assert model.step(padded, cache)[:r].tolist() == model.step(plain, cache).tolist()
+    assert model.next_tokens(padded, cache)[:r].tolist() == model.next_tokens(plain, cache).tolist()
     # sizes that do not fit the slot leave the batch as it was (that step runs eagerly)
     assert pad_flat(plain, cache.scratch_cell, (16,), (32,), 8, 8, 32) is plain
     assert pad_flat(plain, cache.scratch_cell, (4,), (32,), 8, 16, 32) is plain

@@ -31,15 +31,15 @@ def workers():
 def test_failure_inside_device_work_surfaces_and_the_next_call_works(random_llama, work, mode, monkeypatch):
     ref = minibatch.generate(random_llama, work, mode=mode, **KW)
     calls = {"n": 0}
-    real_step = type(random_llama).step
+    real_next_tokens = type(random_llama).next_tokens
 
     def failing_step(self, batch, cache, compiled=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device failure")
-        return real_step(self, batch, cache)
+        return real_next_tokens(self, batch, cache)
 
-    monkeypatch.setattr(type(random_llama), "step", failing_step)
+    monkeypatch.setattr(type(random_llama), "next_tokens", failing_step)
     with pytest.raises(DeviceError, match="injected device failure"):
         minibatch.generate(random_llama, work, mode=mode, timeout=30, **KW)
     monkeypatch.undo()

@@ -108,8 +108,8 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
 
 
 def test_an_interrupt_while_the_engine_lets_go_of_its_device_still_closes_it(random_llama, work, backend):
-    """The window the random interrupts found: Ctrl-C after the engine dropped its device, before the
-    device was closed. Its workers keep an unclosed device alive, so it stayed open for good."""
+    """The narrowest window: Ctrl-C after the engine drops its device, before the device is closed.
+    Its workers keep an unclosed device alive, so it would stay open for good."""
     eng = minibatch.Engine(random_llama)
     eng.generate(work, **KW)
     dev = eng.dev

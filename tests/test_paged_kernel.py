@@ -6,7 +6,7 @@ triton (torch and transformers do, if it is installed), so from the shell:
     pip install triton && TRITON_INTERPRET=1 python -m pytest tests/test_paged_kernel.py
 
 PyTorch's CPU wheels do not bring Triton, so in CI and on most laptops these tests are skipped.
-On a GPU they run the compiled kernel (and tests/test_gpu.py times nothing: scripts/gpu/step_ab.py does).
+On a GPU they run the compiled kernel (and tests/test_gpu.py times nothing: scripts/experiments/step_ab.py does).
 """
 
 import os

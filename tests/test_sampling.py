@@ -89,8 +89,8 @@ def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
         sched.add(Request(i, p, 4))
     batch = build_batch(sched.schedule(), cache)
     assert batch.all_greedy
-    fast = random_llama.step(batch, cache)
-    full = random_llama.step(dataclasses.replace(batch, all_greedy=False), cache)
+    fast = random_llama.next_tokens(batch, cache)
+    full = random_llama.next_tokens(dataclasses.replace(batch, all_greedy=False), cache)
     assert torch.equal(fast, full)
     sched.add(Request(3, [7, 7], 4, SamplingParams(temperature=0.8, seed=1)))
     assert not build_batch(sched.schedule(), cache).all_greedy  # one sampled row: the full sampler
@@ -122,8 +122,8 @@ def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
         sched.add(Request(i, p, 4, SamplingParams(temperature=0.9, seed=i)))
     batch = build_batch(sched.schedule(), cache)
     assert batch.unfiltered and not batch.all_greedy
-    fast = random_llama.step(batch, cache)
-    full = random_llama.step(dataclasses.replace(batch, unfiltered=False), cache)
+    fast = random_llama.next_tokens(batch, cache)
+    full = random_llama.next_tokens(dataclasses.replace(batch, unfiltered=False), cache)
     assert torch.equal(fast, full)
     for filtering in (SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0.9, top_p=0.9)):
         cache = random_llama.make_cache(32, 4)

@@ -24,6 +24,7 @@ copies over the keys, not Python work per key.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -110,16 +111,15 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 
     kv_bucket > 1 pads the key list to a multiple of kv_bucket with the cache's scratch cell, which no
     query may attend to (kv_seq = -1). On a GPU this keeps the attention kernel's shapes from changing
-    every step: cuDNN attention builds a new plan for every new shape, which takes long (BENCHMARKS.md,
-    history: the first sync loop).
+    every step: cuDNN attention builds a new plan for every new shape, which takes long.
 
     decode_layout: when every chunk is a single decode token, lay the keys out as a table of
     [rows, L] (row r = request r's context, padded with the scratch cell to L, a multiple of
     decode_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
     cell). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
-    come from a small set, so each (rows, L) pair can be a CUDA graph (graphs.py). L is a multiple of
+    come from a small set, so each (rows, L) pair can be a CUDA graph (runner/graphs.py). L is a multiple of
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
-    graphs (model.py says which sizes we use and why).
+    graphs (model/model.py says which sizes we use and why).
     """
     n = len(plan.chunks)
     tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.allocator, decode_layout)
@@ -172,15 +172,15 @@ def _gather(chunks, allocator, decode_layout: bool):
         # one token per row (the steady state of decoding): a few comprehensions instead of the general loop
         starts_l = [c.start for c in chunks]
         sampled = [c.request for c in chunks]
-        tables = [_table(r, allocator, s + 1) for r, s in zip(sampled, starts_l)]
         ids = [input_token(r, s) for r, s in zip(sampled, starts_l)]
         starts = np.array(starts_l, np.int64)
+        tables = _tables(sampled, allocator, [s + 1 for s in starts_l])
         return tables, ids, starts, starts + 1, np.ones(n, np.int64), np.ones(n, bool), sampled, True
     # one pass over the chunks; everything else is numpy over whole arrays
     ids: list[int] = []
-    tables, starts, ends, sample, sampled = [], [], [], [], []
+    starts, ends, sample, sampled = [], [], [], []
     for r, start, end, samples in chunks:
-        tables.append(_table(r, allocator, end)), starts.append(start), ends.append(end), sample.append(samples)
+        starts.append(start), ends.append(end), sample.append(samples)
         prompt = r.prompt
         if end <= len(prompt):  # (part of) the prompt: all known
             ids.extend(prompt[start:end])
@@ -190,6 +190,7 @@ def _gather(chunks, allocator, decode_layout: bool):
             ids.extend(input_token(r, p) for p in range(start, end))
         if samples:
             sampled.append(r)
+    tables = _tables([c.request for c in chunks], allocator, ends)
     starts, ends, sample = np.array(starts, np.int64), np.array(ends, np.int64), np.array(sample, bool)
     counts = ends - starts
     decode = decode_layout and n > 0 and bool((counts == 1).all() and sample.all())
@@ -222,7 +223,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
                          exists, so a padding token's attention row is never empty, which would be NaN)
         padding rows     sample the last token greedily; the host reads only the real rows
 
-    Why: an eager prefill step of a small model is bound by the host launching ~1500 kernels one by
+    Why: an eager prefill step of a small model is bound by the host launching its kernels one by
     one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
     replays the step with one launch. Padding costs compute (at most an eighth more tokens above 256
     with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.
@@ -260,12 +261,17 @@ def _scratch_table(scratch: int) -> np.ndarray:
     return np.full(1, scratch, np.int64)
 
 
-def _table(r: Request, allocator, end: int) -> np.ndarray:
-    """r's cell table (kept by the cache's allocator), checked to cover its tokens up to `end`."""
-    table = allocator.cell_table(r.blocks)
-    if end > len(table):
+_BLOCKS = operator.attrgetter("blocks")
+
+
+def _tables(requests: list[Request], allocator, ends: list[int]) -> list[np.ndarray]:
+    """The requests' cell tables (kept by the cache's allocator), checked to cover each one's tokens
+    up to its end in `ends`."""
+    tables = allocator.cell_tables(list(map(_BLOCKS, requests)))
+    if any(map(operator.gt, ends, map(len, tables))):
+        r, end, table = next((r, e, t) for r, e, t in zip(requests, ends, tables) if e > len(t))
         raise ValueError(f"request {r.rid}: tokens up to {end} but KV blocks for only {len(table)}")
-    return table
+    return tables
 
 
 def _flat_keys(ends: np.ndarray, tables: list[np.ndarray], scratch: int, kv_bucket: int):

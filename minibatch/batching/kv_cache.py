@@ -30,6 +30,8 @@ recomputation when they guess wrong.
 from __future__ import annotations
 
 import math
+import operator
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -51,8 +53,9 @@ class BlockAllocator:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owned: set[int] = set()
-        # id(block table) -> (the block table, its cell table): what cell_table computed, until freed
-        self._cell_tables: dict[int, tuple[list[int], np.ndarray]] = {}
+        # id(block table) -> its cell table, and -> the block table itself: what cell_tables computed
+        self._cell_tables: dict[int, np.ndarray] = {}
+        self._held: dict[int, list[int]] = {}
 
     @property
     def num_free(self) -> int:
@@ -71,6 +74,7 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         self._cell_tables.pop(id(blocks), None)
+        self._held.pop(id(blocks), None)
         for b in blocks:
             if b not in self._owned:
                 raise RuntimeError(f"KV block {b} freed but not owned (double free?)")
@@ -78,19 +82,22 @@ class BlockAllocator:
             self._free.append(b)
 
 
-    def cell_table(self, blocks: list[int]) -> np.ndarray:
-        """The cell of every position a block table covers: blocks[t // bs] * bs + t % bs for all t.
+    def cell_tables(self, block_tables: list[list[int]]) -> list[np.ndarray]:
+        """For each block table, the cell of every position it covers: blocks[t // bs] * bs + t % bs.
 
-        Batch building reads it every step (batch.py), so it is computed once per block table and kept
-        here until `free(blocks)`: a request's block table is fixed from admission on, so a new list
-        means new blocks (a list changed in place is seen by its length)."""
-        kept = self._cell_tables.get(id(blocks))
-        if kept is not None and kept[0] is blocks and len(kept[1]) == len(blocks) * self.block_size:
-            return kept[1]
-        bs = self.block_size
-        cells = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        self._cell_tables[id(blocks)] = (blocks, cells)  # (holding the list: no other list takes its id)
-        return cells
+        Batch building asks every step (batch.py), so each is computed once per block table and kept
+        here until `free(blocks)` (a request's block table is fixed from admission on: a new list means
+        new blocks). Kept by the list's id, with the list itself held so that no other list can take
+        that id meanwhile; the lookups run as C loops (map), since a decode step asks for every row."""
+        ids = list(map(id, block_tables))
+        tables = list(map(self._cell_tables.get, ids))
+        if any(map(operator.is_, tables, repeat(None))):
+            size = self.block_size
+            for i, blocks in enumerate(block_tables):
+                if tables[i] is None:
+                    cells = (np.asarray(blocks, dtype=np.int64)[:, None] * size + np.arange(size)).reshape(-1)
+                    self._cell_tables[ids[i]], self._held[ids[i]], tables[i] = cells, blocks, cells
+        return tables
 
 
 class PagedKVCache:

@@ -19,10 +19,10 @@ device's input: the races of notebook 04 stay real. Work and its arguments are p
 touch pageable host memory either. So are effects on host objects: a launched function that
 appends to a host list appends to the device process's copy of it.
 
-What it costs (2 shared cores; BENCHMARKS.md): the start-up, a fork, 15-20 ms (under 0.3 s on a busy
-machine); a launch, 0.1-0.2 ms of host time (pickling the work and one write to a socket; records
-and waits are queued and go with the next launch); an event round trip, 0.1-0.2 ms. A decode step
-of the tiny model (three launches, one round trip) pays that instead of a GIL shared with the device:
+What it costs (numbers in BENCHMARKS.md): the start-up, a fork; a launch, host time to pickle the
+work and one write to a socket (records and waits are queued and go with the next launch); an event,
+a round trip over the socket. A decode step of the tiny model (three launches, one round trip) pays
+that instead of a GIL shared with the device:
 on two cores the async loop then wins back most of the host's share of a step. The host keeps one
 torch thread while the device is open: a second one waits for the core the device is using. The
 device process is pinned to every core but the host's first one (where the platform allows it).
@@ -140,9 +140,9 @@ class CpuDevice(Device):
             raise DeviceError("the 'cpu' device forks a device process, and this platform cannot fork; "
                               "use get_device('cpu-threads') (threads of this interpreter, no overlap of Python work)")
         # The host keeps one core, the device process is pinned to the others (where the platform can
-        # pin), as a GPU is a processor of its own. Unpinned, the scheduler now and then put the device's
-        # forward pass on the core the host was using, and its compute spans in the async loop grew
-        # by a fifth (BENCHMARKS.md, the cpu device as a process).
+        # pin), as a GPU is a processor of its own. Unpinned, the OS scheduler may put the device's
+        # forward pass on the core the host is using, and the async loop's compute spans grow
+        # (BENCHMARKS.md, the cpu device as a process).
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         device_cores = cores[1:] if cores and len(cores) >= 2 else None
         if torch_threads is None:
@@ -185,7 +185,7 @@ class CpuDevice(Device):
         child.close()
         os.close(alive_r)
         # the host's torch work (building batches) gets one thread: a second one would wait for a core
-        # the device process is using (measured: a tiny repeat_interleave, 9 us alone, took 15 ms)
+        # the device process is using, and even a tiny op then waits for the OS to schedule it
         settings.TORCH_THREADS.hold(1)
         self._holds_threads = True
         if not self._conn.poll(START_TIMEOUT):

@@ -21,6 +21,8 @@ import torch
 
 from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
+# Per GPU, for the whole process: a property of the hardware (its clock), not of a run, so it outlives
+# any one device object and is measured once.
 _cycles_per_second: dict[int, float] = {}
 
 
@@ -39,6 +41,8 @@ def _sleep_rate(device: torch.device) -> float:
     return _cycles_per_second[device.index]
 
 
+# Per GPU, for the whole process, as PyTorch's own stream pool is: a stream is never destroyed (see
+# _blocking_stream), so it cannot belong to one device object; a closed device hands its streams here.
 _free_streams: dict[int, list[torch.cuda.Stream]] = {}  # blocking streams of closed devices, for reuse
 
 

@@ -20,11 +20,12 @@ query or synchronize on that device; like a CUDA error it is sticky (every later
 new device), and every worker drops its remaining work, so nothing hangs on an event that will never
 come. Every host wait takes a timeout.
 
-Why this is not the default (measured on 2 idle cores; notes/device_overlap.md): every worker shares
-the host's interpreter, and so its GIL. Torch kernels release it, the Python around them does not.
-Host Python beside 384x384 matmuls on a stream, overlapped / sequential time (ideal 0.56): 0.92 at
-Python's default 5 ms switch interval, 0.60 at 0.2 ms; but beside the tiny model's forward pass,
-which is mostly Python, 0.84-1.0 at any interval: host and device take turns. So while a device of
+Why this is not the default (numbers in notes/device_overlap.md): every worker shares the host's
+interpreter, and so its GIL. Torch kernels release it, the Python around them does not. Host Python
+beside large matmuls on a stream overlaps well once the interpreter switches threads often (Python's
+default switch interval lets one side hold the GIL for milliseconds); beside the tiny model's
+forward pass, which is mostly Python, it barely overlaps at any interval: host and device take
+turns. So while a device of
 this kind is open the interval is 0.2 ms and torch has one intra-op thread per spare core, set in
 every worker too (OpenMP/MKL thread counts are per thread), restored when the last one closes. The
 `cpu` backend (devices/cpu.py) runs this same engine in a process of its own, where it has a GIL of
@@ -181,7 +182,7 @@ class ThreadStream(Stream):
     def _worker(self) -> None:
         dev = self.dev
         # OpenMP/MKL thread counts are per thread: a new thread starts with one per core, whatever the
-        # host set, and its matmuls then fight the host thread for the cores (measured: 3-10x slower)
+        # host set, and its matmuls then fight the host thread for the cores (several times slower)
         torch.set_num_threads(dev._torch_threads)
         while True:
             with dev._lock:

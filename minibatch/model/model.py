@@ -83,8 +83,9 @@ class Model:
         self.decode_kv_bucket = 64 if cuda else self.kv_bucket
         # decode-layout attention: "triton" (reads the paged cache in place: triton_decode.py), "sdpa"
         # (gathers each row's keys, then one fused kernel) or "einsum" (the readable version). On a GPU
-        # the Triton kernel is the default where Triton is installed: it was faster than the gather +
-        # SDPA at every batch and context measured (BENCHMARKS.md)
+        # the Triton kernel is the default where Triton is installed: it reads the keys in place instead
+        # of gathering a copy first, and is the faster of the two at every batch and context in
+        # BENCHMARKS.md
         self.decode_attention = "einsum"
         if cuda:
             from . import triton_decode
@@ -122,7 +123,7 @@ class Model:
         return out.logits[0]
 
     def forward_sample(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
-        """Forward + sample -> [R] int64 next tokens (what `step` runs; what a compiled step compiles).
+        """Forward + sample -> [R] int64 next tokens (what `next_tokens` runs; what a compiled step compiles).
         `decode_attention` overrides the model's for this call."""
         logits = self._forward(batch, cache, decode_attention)
         if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
@@ -135,8 +136,10 @@ class Model:
         return self._forward(batch, cache)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
-        """Forward + sample, all on the device -> [R] int64 next tokens. No host sync."""
+    def next_tokens(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
+        """Forward + sample, all on the device -> [R] int64 next tokens. No host sync. (A *step* is one
+        turn of the loop: schedule, build, launch this, update; `forward_sample` is the same work
+        outside inference mode, for torch.compile.)"""
         return self.forward_sample(batch, cache)
 
 

@@ -1,7 +1,7 @@
 """The decode step through torch.compile: one compiled function per engine, static shapes (notebook 07).
 
 `CompiledStep` is what `generate(compile=True)` runs for decode steps; the step runner
-(graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
+(runner/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
 gate/up run as one matrix product each (siblings.py).
 """
 
@@ -21,9 +21,9 @@ class CompiledStep:
     activations), each a separate read and write of a [rows, hidden] tensor; Inductor fuses them.
     What it costs: compilation, once per decode shape (rows, greedy or not, cache size, and keys per
     row unless the attention is Triton's). Static shapes, so a shape always gets the same kernels:
-    with PyTorch's "automatic dynamic" shapes the kernels that served a shape depended on the order
-    shapes came up in, and sync and async runs (which see shapes in different orders) gave different
-    bf16 tokens. The one exception is made where it cannot change a kernel: the Triton decode
+    with PyTorch's "automatic dynamic" shapes the kernels that serve a shape depend on the order
+    shapes come up in, and sync and async runs (which see shapes in different orders) would give
+    different bf16 tokens. The one exception is made where it cannot change a kernel: the Triton decode
     attention is a custom operator (triton_decode.paged_decode) that Inductor calls as it is, and the
     key tensors go nowhere else, so their length is marked dynamic: one compile serves every context
     length, and compiled steps pad keys as finely as eager ones (decode_kv_bucket). With the other

@@ -26,7 +26,7 @@ def forward_step(model, cache, args: StepArgs, compiled=None) -> None:
     if compiled is not None and args.batch.decode_rows:
         tokens = compiled(args.batch, cache)
     else:
-        tokens = model.step(args.batch, cache)
+        tokens = model.next_tokens(args.batch, cache)
     args.out[: tokens.shape[0]].copy_(tokens)
 
 

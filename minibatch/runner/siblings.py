@@ -1,9 +1,9 @@
 """Sibling projections as one matrix product in compiled steps, without touching the model's modules.
 
 Why: in a decode step a Linear layer costs the time to stream its weight from memory, and small
-weights stream slowly. In an 8B Llama the k and v projections (4096 x 1024) reach about a third of
-the bandwidth the MLP's big matrices reach (scripts/gpu/skinny_mm_ab.py, BENCHMARKS.md): too little
-work per kernel to keep the whole GPU reading. q, k and v read the same input, as do the MLP's gate
+weights stream slowly. In an 8B Llama the k and v projections (4096 x 1024) reach a small part of
+the bandwidth the MLP's big matrices reach (BENCHMARKS.md, small matrices): too little work per
+kernel to keep the whole GPU reading. q, k and v read the same input, as do the MLP's gate
 and up; one product over their stacked weights reads the same bytes in fewer, larger kernels.
 
 How, in two parts, neither of which changes what the model computes:
@@ -13,7 +13,7 @@ How, in two parts, neither of which changes what the model computes:
    (contiguous weights of the same input size, dtype and device; biases on all or none) get their
    weights (and biases) stored as consecutive rows of one tensor, each weight a view of its rows.
    Same values, shapes and strides: eager steps, and the CUDA graphs captured from them, run exactly
-   as before.
+   as they would on the separate weights.
 2. `merge(gm, example_inputs)`, a pass over the graph torch.compile captures (CompiledStep runs it
    before Inductor): `linear` calls that share their input and whose weights are consecutive views
    of one storage become one `linear` over the whole block, and each original output is a slice of

@@ -48,10 +48,13 @@ HF_MODES = ("sync_eager", "sync_graphs", "async_eager", "async_graphs")
 
 
 def _hf_modes(arg: str) -> list[str]:
+    """--hf's value: "default" (its default config), "all" (HF_MODES) or some of HF_MODES."""
+    if arg in ("default", "all"):
+        return [arg] if arg == "default" else list(HF_MODES)
     modes = [m for m in arg.split(",") if m]
     bad = [m for m in modes if m not in HF_MODES]
     if not modes or bad:
-        raise argparse.ArgumentTypeError(f"--hf-modes takes some of {', '.join(HF_MODES)}, got {arg!r}")
+        raise argparse.ArgumentTypeError(f"--hf takes 'default', 'all' or some of {', '.join(HF_MODES)}, got {arg!r}")
     return modes
 
 
@@ -224,11 +227,10 @@ def bench_cmd(args) -> None:
     engine.close()  # frees the device for transformers' runs below
     if args.hf:  # transformers' continuous batching, each mode in a process of its own (bench.hf_in_own_process)
         configs = [dict()]
-        if args.hf_all or args.hf_modes:
+        if args.hf != ["default"]:
             graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
-            wanted = args.hf_modes or [f"{a}_{g}" for a in ("sync", "async") for g in ("eager", "graphs")]
             configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs
-                       if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in wanted]
+                       if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in args.hf]
         for c in configs:
             try:
                 r, o = bench.hf_in_own_process(args.model, str(model.device), prompts, args.max_new_tokens, c,
@@ -249,9 +251,6 @@ def bench_cmd(args) -> None:
             print(f"{mode}: {same}/{len(o)} requests with the same tokens as {ref}")
     print(bench.summary(results))
     if args.floor:
-        floor = floors.weight_floor_ms(model, args.max_batch_size)
-        print(f"weight-streaming floor at batch {args.max_batch_size}: {floor:.2f} ms per step")
-        workload["weight_floor_ms"] = floor
         print("\n".join(floors.floor_report(model, workload, results)))
     if args.out:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
@@ -371,16 +370,16 @@ def main(argv=None) -> None:
     b.add_argument("--cuda-graphs", choices=["auto", "on", "off", "decode"], default="auto",
                    help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only)")
     b.add_argument("--no-progress", action="store_true")
-    b.add_argument("--hf", action="store_true", help="also run transformers' generate_batch (default config)")
-    b.add_argument("--hf-all", action="store_true", help="with --hf: each of its sync/async x graphs modes")
-    b.add_argument("--hf-modes", type=_hf_modes, default=None,
-                   help="with --hf: some of its modes, comma-separated: sync_eager, sync_graphs, async_eager, "
-                        "async_graphs")
+    b.add_argument("--hf", type=_hf_modes, nargs="?", const=["default"], default=None, metavar="MODES",
+                   help="also run transformers' generate_batch, each mode in a process of its own: --hf (its "
+                        "default config), --hf all (sync/async x eager/graphs) or some of sync_eager, "
+                        "sync_graphs, async_eager, async_graphs, comma-separated")
     b.add_argument("--hf-memory", type=_float(0.0, 1.0, low_open=True), default=None,
-                   help="with --hf-all / --hf-modes: fraction of GPU memory for its KV cache (default: its own; "
-                        "its async modes have run out of memory at the default on an H200)")
+                   help="with --hf MODES: fraction of GPU memory for its KV cache (default: its own, which "
+                        "can leave its async modes short of memory on a large model)")
     b.add_argument("--floor", action="store_true",
-                   help="also time the floors: weight streaming, and all bytes (weights + keys/values) per decode step")
+                   help="also measure the floor of a decode step (every weight and key/value byte it reads, at "
+                        "the measured copy bandwidth) and of a prefill (its FLOPs at the measured matmul rate)")
     b.add_argument("--decode-attention", choices=["auto", "sdpa", "einsum", "triton"], default="auto",
                    help="decode-step attention (attention.py; auto: triton on CUDA where Triton is installed, else "
                         "sdpa; einsum on the CPU; triton: triton_decode.py, reads the KV cache in place). "

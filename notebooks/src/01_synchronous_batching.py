@@ -114,7 +114,7 @@ print("keys read     ", len(host.kv_indices), "cache cells")
 
 # %%
 for _ in range(5):
-    tokens = model.step(build_batch(plan, cache), cache)  # forward + sample
+    tokens = model.next_tokens(build_batch(plan, cache), cache)  # forward + sample
     sched.update(plan, tokens.tolist())
     plan = sched.schedule()
     show(plan)
@@ -140,7 +140,7 @@ def sync_loop(model, prompts, max_new_tokens, budget=16, seats=3, timeline=None)
         tl.add("CPU", "prepare", t, t := tl.now(), plan.step)
         batch = host.to(model.device)                # H2D: inputs to the device
         tl.add("H2D", "H2D", t, t := tl.now(), plan.step)
-        tokens = model.step(batch, cache)            # device: forward pass + sampling
+        tokens = model.next_tokens(batch, cache)            # device: forward pass + sampling
         tl.add("compute", "compute", t, t := tl.now(), plan.step)
         sampled = tokens.cpu().tolist()              # D2H: new tokens back to the host
         tl.add("D2H", "D2H", t, t := tl.now(), plan.step)

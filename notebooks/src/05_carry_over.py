@@ -62,10 +62,10 @@ for r in requests:
 
 for _ in range(2):  # steps 0 and 1, synchronously as in notebook 01
     plan = sched.schedule()
-    sched.update(plan, model.step(build_batch(plan, cache), cache).tolist())
+    sched.update(plan, model.next_tokens(build_batch(plan, cache), cache).tolist())
 
 plan_n = sched.schedule()                              # batch N
-out_n = model.step(build_batch(plan_n, cache), cache)  # the device computes it; the host has not read it
+out_n = model.next_tokens(build_batch(plan_n, cache), cache)  # the device computes it; the host has not read it
 plan_next = sched.schedule()                           # batch N+1, planned BEFORE update(N)
 batch_next = build_batch(plan_next, cache)
 show(plan_n)
@@ -286,7 +286,7 @@ def one_step_behind(model, prompts, max_new_tokens, carry=True, seed=3, budget=3
                     ids = torch.empty_like(batch.input_ids)
                     apply_carry_over(ids, batch.input_ids, prev[1], torch.tensor(carry_over_mask(prev[0], plan)))
                     batch.input_ids = ids
-                launched = (plan, model.step(batch, cache))  # device: run N+1
+                launched = (plan, model.next_tokens(batch, cache))  # device: run N+1
         if prev is not None:                              # host: N's tokens arrive
             plan_done, out = prev
             dropped += [(plan_done.step, c.request.rid, t) for c, t in zip(plan_done.sampling_chunks, out.tolist())

@@ -40,7 +40,7 @@ DATA = "../figures/data/"
 #
 #     python -m minibatch bench --model llama3-8b-shape --device cuda \
 #         --modes sync,async,sync+compile,async+compile --num-prompts 32 --prompt-len 256 \
-#         --max-new-tokens 256 --max-batch-tokens 2048 --warmup --hf --hf-all --floor
+#         --max-new-tokens 256 --max-batch-tokens 2048 --warmup --hf all --floor
 #
 # `+compile` runs the decode step through `torch.compile` (section 3 says why); `hf_*` rows are
 # transformers' own continuous batching (`generate_batch`) in each of its four modes.
@@ -130,7 +130,7 @@ print(f"1024 new tokens: sync {s_['wall_s']:.1f} s, busy {s_['device_busy']:.0%}
 # A decode step must at least read every weight once. Pushing a batch of 32 rows through every
 # linear layer of the model, all captured in one CUDA graph, is the *weight-streaming floor*
 # (`floors.weight_floor_ms`). We measured a decode step in several variants, each captured in a CUDA
-# graph (`scripts/gpu/step_ab.py`, 32 rows, 383 tokens of context each):
+# graph (`scripts/experiments/step_ab.py`, 32 rows, 383 tokens of context each):
 
 # %%
 variants = []
@@ -171,7 +171,7 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 #    marks it (`Batch.all_greedy`), and that step takes one argmax: -1.0 ms. Sampled rows need no
 #    sort either when no row of the batch uses top-k or top-p (`Batch.unfiltered`): the Gumbel-max
 #    picks the same token over the vocabulary in any order (-0.7 ms at 32 sampled rows,
-#    `scripts/sampling_ab.py`; not in this figure, whose rows are greedy).
+#    `scripts/experiments/sampling_ab.py`; not in this figure, whose rows are greedy).
 # 2. **Attention in one fused kernel.** The readable version (`einsum`) writes float32 scores for
 #    every head and key to memory and reads them back; `scaled_dot_product_attention` keeps them on
 #    chip. The trick: the 4 query heads that share a key/value head are handed to it as 4 query
@@ -252,7 +252,7 @@ for m in matrix:
 # what counts.
 
 # %% [markdown]
-# Which matrix products lose the time? `scripts/gpu/skinny_mm_ab.py` timed every Linear shape of the
+# Which matrix products lose the time? `scripts/experiments/skinny_mm_ab.py` timed every Linear shape of the
 # 8B model on its own, 32 copies of each weight in one CUDA graph (as the 32 layers), and divided the
 # bytes by the time: the bandwidth each product reaches. Beside them, two products the model does not
 # have: q, k and v as one product with their three weights stacked (6144 outputs), and gate and up as

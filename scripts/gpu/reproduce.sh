@@ -12,12 +12,12 @@
 #   compile    sync and async with torch.compile'd decode steps, beside transformers' generate_batch modes
 #   floor      the decode step at fixed batch x context against its full floor, default and compiled (with and
 #              without q/k/v and gate/up merged), its kernels summed by kind (floor_matrix.py --kernels)
-#   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (prefill_graphs_ab.py)
-#   kernels    decode-step variants against the floor (step_ab.py); the decode attentions, gather + SDPA
-#              against the Triton kernel that reads the paged cache in place (decode_attention_ab.py); that
-#              kernel's launch settings swept (decode_kernel_tune.py)
+#   prefill    prefill and mixed steps as CUDA graphs against eager, four workloads (experiments/prefill_graphs_ab.py)
+#   kernels    decode-step variants against the floor (experiments/step_ab.py); the decode attentions, gather + SDPA
+#              against the Triton kernel that reads the paged cache in place (experiments/decode_attention_ab.py); that
+#              kernel's launch settings swept (experiments/decode_kernel_tune.py)
 #   linear     the 8B shape's Linear layers at 1-128 rows: cuBLAS, a Triton skinny-product kernel, merged
-#              projections, against the weight floor (skinny_mm_ab.py)
+#              projections, against the weight floor (experiments/skinny_mm_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -40,24 +40,24 @@ for s in $sections; do
     tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py tests/test_device.py \
              tests/test_paged_kernel.py tests/test_engine.py > "$out/$s/pytest.log" 2>&1
            tail -3 "$out/$s/pytest.log" ;;
-    headline) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --hf --hf-all \
+    headline) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --hf all \
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -12 "$out/$s/bench.log" ;;
     eager) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --cuda-graphs off \
              --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     arrivals) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --arrivals 128 \
                 --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -6 "$out/$s/bench.log" ;;
     compile) python3 -m minibatch bench "${eightb[@]}" --modes sync,async,sync+compile,async+compile --floor \
-               --hf --hf-all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
+               --hf all --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -16 "$out/$s/bench.log" ;;
     floor) python3 scripts/gpu/floor_matrix.py "$out/$s" --compile --unmerged --kernels > "$out/$s/floor.log" 2>&1
            tail -28 "$out/$s/floor.log" ;;
-    prefill) python3 scripts/gpu/prefill_graphs_ab.py "$out/$s" > "$out/$s/prefill.log" 2>&1
+    prefill) python3 scripts/experiments/prefill_graphs_ab.py "$out/$s" > "$out/$s/prefill.log" 2>&1
              tail -20 "$out/$s/prefill.log" ;;
-    kernels) python3 scripts/gpu/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
+    kernels) python3 scripts/experiments/decode_attention_ab.py "$out/$s" > "$out/$s/attention_ab.log" 2>&1
              tail -20 "$out/$s/attention_ab.log"
-             python3 scripts/gpu/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log"
-             python3 scripts/gpu/decode_kernel_tune.py "$out/$s" > "$out/$s/decode_kernel_tune.log" 2>&1
+             python3 scripts/experiments/step_ab.py "$out/$s" > "$out/$s/step_ab.log" 2>&1; tail -12 "$out/$s/step_ab.log"
+             python3 scripts/experiments/decode_kernel_tune.py "$out/$s" > "$out/$s/decode_kernel_tune.log" 2>&1
              tail -6 "$out/$s/decode_kernel_tune.log" ;;
-    linear) python3 scripts/gpu/skinny_mm_ab.py "$out/$s" > "$out/$s/skinny_mm.log" 2>&1
+    linear) python3 scripts/experiments/skinny_mm_ab.py "$out/$s" > "$out/$s/skinny_mm.log" 2>&1
             tail -5 "$out/$s/skinny_mm.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;

@@ -1,7 +1,7 @@
 """Decode attention, one layer of the 8B shape: gather + SDPA vs the Triton kernel, with and without split.
 
-    python3 scripts/gpu/decode_attention_ab.py $OUT          # on a CUDA machine; writes $OUT/decode_attention_ab.json
-    TRITON_INTERPRET=1 python scripts/gpu/decode_attention_ab.py out --cpu   # a small dry run of the script
+    python3 scripts/experiments/decode_attention_ab.py $OUT          # on a CUDA machine; writes $OUT/decode_attention_ab.json
+    TRITON_INTERPRET=1 python scripts/experiments/decode_attention_ab.py out --cpu   # a small dry run of the script
 
 Shape: 32 query heads, 8 key/value heads, head_dim 128, bf16, block size 16, keys per row padded to a
 multiple of 64 (the decode layout a GPU run uses). For rows in {1, 8, 32, 128} x context {512, 2048}:

@@ -1,7 +1,7 @@
 """Where does a graphed decode step's time go, and which change moves it? (H200, 8B shape, batch 32)
 
-    python3 scripts/gpu/step_ab.py OUTDIR            # on a GPU machine; writes OUTDIR/step_ab.txt
-    python3 scripts/gpu/step_ab.py OUTDIR --compile  # only: the same step through torch.compile (OUTDIR/compile.txt)
+    python3 scripts/experiments/step_ab.py OUTDIR            # on a GPU machine; writes OUTDIR/step_ab.txt
+    python3 scripts/experiments/step_ab.py OUTDIR --compile  # only: the same step through torch.compile (OUTDIR/compile.txt)
 
 Each variant's decode step is captured in a CUDA graph and timed over 20 replays (CUDA events), so
 launch overhead is out and what is left is the kernels and the gaps between them. Variants:
@@ -50,7 +50,7 @@ def decode_setup(model, ctx: int):
         sched.add(Request(i, [1 + i] * ctx, new))
     plan = sched.schedule()  # prefill of all B prompts in one step
     assert len(plan.chunks) == B and all(c.num_tokens == ctx for c in plan.chunks), "prefill did not fit"
-    model.step(build_batch(plan, cache, model.kv_bucket).to("cuda"), cache)
+    model.next_tokens(build_batch(plan, cache, model.kv_bucket).to("cuda"), cache)
     sched.update(plan, [2] * B)
     return cache, sched.schedule()
 
@@ -112,7 +112,7 @@ def main() -> None:
             model.decode_attention = attn
 
             def fn(batch=batch, cache=cache):
-                return model.step(batch, cache)
+                return model.next_tokens(batch, cache)
 
             ms = graph_ms(fn)
             n, ksum, _ = kernel_stats(fn.graph.replay)
@@ -125,8 +125,8 @@ def main() -> None:
         if ctx == 383:  # eager timing and the kernel table of the new default
             batch = build_batch(plan, cache, model.kv_bucket, True, ROW_BUCKETS, 256).to("cuda")
             batch.all_greedy, model.decode_attention = True, "sdpa"
-            say(f"eager step (sdpa, greedy fast): {eager_ms(lambda: model.step(batch, cache)):.2f} ms wall")
-            _, _, prof = kernel_stats(lambda: model.step(batch, cache), reps=2)
+            say(f"eager step (sdpa, greedy fast): {eager_ms(lambda: model.next_tokens(batch, cache)):.2f} ms wall")
+            _, _, prof = kernel_stats(lambda: model.next_tokens(batch, cache), reps=2)
             say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
         del cache
         torch.cuda.empty_cache()
@@ -146,7 +146,7 @@ def compiled(model) -> None:
     compiled_step = CompiledStep(model)
     t = time.perf_counter()
     with torch.inference_mode():
-        ref = model.step(batch, cache)
+        ref = model.next_tokens(batch, cache)
         got = compiled_step(batch, cache)
         torch.cuda.synchronize()
         say(f"compile: first call {time.perf_counter() - t:.1f} s; same tokens as eager: "

@@ -1,7 +1,7 @@
 """The host's work per decode step: this package against another checkout of it, step by step, one process.
 
     git worktree add /tmp/before COMMIT
-    PYTHONPATH=$PWD python scripts/host_cost_ab.py OUT --against /tmp/before [--rows 128] [--context 1024]
+    PYTHONPATH=$PWD python scripts/experiments/host_cost_ab.py OUT --against /tmp/before [--rows 128] [--context 1024]
 
 Why not two runs of host_cost.py: on a shared machine the speed of a core drifts by up to 3x within
 minutes (BENCHMARKS.md), more than most changes to the host's work. Here the other checkout's
@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from host_cost import PARTS, host_steps  # noqa: E402 (this folder is on the path of a script run)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for host_cost.py
+
+from host_cost import PARTS, host_steps  # noqa: E402
 
 
 class _HostOnly:
@@ -58,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(other, Path(tmp) / "minibatch_against", ignore=shutil.ignore_patterns("assets"))
         sys.path.insert(0, tmp)
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         sides = {name: host_steps(pkg, _HostOnly(), a.rows, a.context, a.steps + 10, True, temperature=0.7)
                  for name, pkg in (("this", "minibatch"), ("against", "minibatch_against"))}
         times = {k: [] for k in sides}

@@ -1,6 +1,6 @@
 """Can a Triton kernel stream a decode step's weights faster than cuBLAS? Skinny matrix products, A/B.
 
-    python3 scripts/gpu/skinny_mm_ab.py OUTDIR [--rows 1,8,32,128] [--layers 32]
+    python3 scripts/experiments/skinny_mm_ab.py OUTDIR [--rows 1,8,32,128] [--layers 32]
 
 A decode step's Linear layers multiply a few rows (the batch) by large weight matrices: y = x @ W.T
 with x [M, K], W [N, K], M small. Each weight is read once, so the time is set by memory bandwidth;

@@ -1,6 +1,6 @@
 """The Triton decode attention's launch settings, swept: keys per loop step, warps, pipeline stages, splits.
 
-    python3 scripts/gpu/decode_kernel_tune.py OUTDIR [--points 1x512,8x512,32x512,128x512,32x2048,128x2048]
+    python3 scripts/experiments/decode_kernel_tune.py OUTDIR [--points 1x512,8x512,32x512,128x512,32x2048,128x2048]
 
 For each point (rows x context; 8B shape: 32 query heads, 8 key/value heads, head_dim 128, bf16) a
 paged cache of 32 layers holds `rows` requests of `context` tokens (random keys and values, blocks of

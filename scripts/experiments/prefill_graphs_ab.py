@@ -1,6 +1,6 @@
 """Prefill and mixed steps as CUDA graphs, or eager: the same workloads side by side in one process.
 
-    python3 scripts/gpu/prefill_graphs_ab.py OUTDIR [--points MODEL:BATCH:PROMPT:NEW[:ARRIVALS],...] [--repeats 2]
+    python3 scripts/experiments/prefill_graphs_ab.py OUTDIR [--points MODEL:BATCH:PROMPT:NEW[:ARRIVALS],...] [--repeats 2]
 
 For each point, one Engine runs the workload with `cuda_graphs="decode"` (decode steps replayed as
 graphs, prefill and mixed steps eager and unpadded) and with `cuda_graphs=True` (every step padded to

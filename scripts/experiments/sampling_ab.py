@@ -1,7 +1,7 @@
 """A sampled decode step with and without the sort over the vocabulary, side by side in one process.
 
-    PYTHONPATH=$PWD python scripts/sampling_ab.py OUT_DIR                       # tiny model, CPU
-    python3 scripts/sampling_ab.py OUT_DIR --model llama3-8b-shape --device cuda --rows 32 --context 512
+    PYTHONPATH=$PWD python scripts/experiments/sampling_ab.py OUT_DIR                       # tiny model, CPU
+    python3 scripts/experiments/sampling_ab.py OUT_DIR --model llama3-8b-shape --device cuda --rows 32 --context 512
 
 Every row samples (temperature 0.8) with neither top-k nor top-p, so the batch is `unfiltered` and
 the sampler may skip sorting each row's vocabulary (sampling.sample, filtered=False). The same decode
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -54,7 +54,7 @@ def timer(model, cache, batch, repeats: int):
     out = torch.empty(batch.num_sampled, dtype=torch.int64, device=model.device)
 
     def step():
-        out.copy_(model.step(batch, cache))
+        out.copy_(model.next_tokens(batch, cache))
 
     if model.device.type != "cuda":
         def run():
