@@ -421,7 +421,8 @@ fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 # `dev_out` back to a host buffer on `dev.stream("D2H")`, and returns the result as a list. Use
 # events so that the result is right however busy each stream is, and let the host wait only for
 # your D2H copy (the check keeps another stream busy for a second; `dev.synchronize()` would wait
-# for it too).
+# for it too). The check also counts: compute and D2H must each wait for an event, and the host may
+# synchronize once.
 
 # %%
 pipeline = None  # replace with your function
