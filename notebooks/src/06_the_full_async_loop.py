@@ -260,9 +260,9 @@ fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_cpu.png", dpi=110)
 # this run generates 200 tokens per prompt, never stops at EOS, and slows the device down with an
 # **injected delay of 40 ms per step** on the compute stream (a sleep, as in notebook 04: it needs no
 # core, like a GPU's work): about 10 seconds in all. Drawing is not free (a tenth of a second or so
-# here), and while the host draws it does not prepare the next batch, so after each drawing we wait
-# at least twelve times as long as it took (and half a second), which keeps drawing under a
-# thirteenth of the run, and record each drawing as a `draw` span (red) on the
+# here, more on a busy machine), and while the host draws it does not prepare the next batch, so
+# after each drawing we wait at least ten times as long as it took (and half a second), which keeps
+# drawing near a tenth of the run or less, and record each drawing as a `draw` span (red) on the
 # host's lane, with its share of the run in the title. The frames replace each other in one output;
 # when the run ends, the last frame stays there (also in the saved notebook).
 
@@ -305,8 +305,8 @@ def on_step(plan, finished):
     start, spans = live_tl.now(), list(live_tl.spans)
     draws = [s for s in spans if s.name == "draw"]
     since = draws[-1].end if draws else min(s.start for s in spans)
-    if start - since < max(0.5, 12 * draws[-1].duration if draws else 1.0):
-        return  # wait at least 12 times as long as the last drawing took: drawing stays under 1/13 of the run
+    if start - since < max(0.5, 10 * draws[-1].duration if draws else 1.0):
+        return  # wait at least 10 times as long as the last drawing took: drawing stays near 1/11 of the run
     shown.update(frame(spans, f"async loop, live: the last 12 steps up to step {plan.step}; "
                               f"drawing took {draw_share():.0%} of the run so far"))
     live_tl.add("CPU", "draw", start, live_tl.now(), plan.step)
@@ -319,8 +319,9 @@ assert live_out == minibatch.generate(model, mode="sync", **longer)  # the delay
 shown.update(frame(live_tl.spans, f"async loop, the last 12 steps of the run (final frame); "
                                   f"drawing took {draw_share():.0%} of it"))
 frames = sum(s.name == "draw" for s in live_tl.spans)
-assert live_tl.wall > 5 and frames >= 3 and draw_share() < 0.10, (live_tl.wall, frames, draw_share())
-print("a run of several seconds, redrawn several times; drawing took under a tenth of it")
+# the rule keeps drawing near 1/11 of the run; a busy machine draws more slowly, so less often
+assert live_tl.wall > 8 and frames >= 2 and draw_share() < 0.15, (live_tl.wall, frames, draw_share())
+print("a run of ten seconds or so, redrawn every second or few; the final title says drawing's share")
 
 # %% [markdown]
 # A closer look at one drawing, from the recorded timeline: 50 ms either side of the last `draw`.
