@@ -67,3 +67,8 @@ def test_the_check_finds_a_dangling_path(tmp_path):
     assert not exists("scripts/gpu/final2.sh") and not exists("figures/data/gpu_bench_{eager,nothing}_x.json")
     assert PATH.findall("see `scripts/gpu/final2.sh`, and minibatch/batching/batch.py.") == [
         "scripts/gpu/final2.sh", "minibatch/batching/batch.py"]
+
+
+def test_every_recorded_run_folder_says_how_it_was_made():
+    runs = [d for d in (ROOT / "figures" / "data" / "runs").iterdir() if d.is_dir()]
+    assert runs and all((d / "README.md").exists() for d in runs), [d.name for d in runs if not (d / "README.md").exists()]
