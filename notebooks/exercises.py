@@ -225,6 +225,42 @@ def check_02(max_concurrency) -> None:
     print("✓ correct")
 
 
+class _Counted:
+    """A device, stream or event that passes every call through and counts host waits and stream waits."""
+
+    def __init__(self, real, counts):
+        self._real, self._counts = real, counts
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def stream(self, *args, **kwargs):
+        return _Counted(self._real.stream(*args, **kwargs), self._counts)
+
+    def event(self, *args, **kwargs):
+        return _Counted(self._real.event(*args, **kwargs), self._counts)
+
+    def record(self, event, *args, **kwargs):
+        return self._real.record(getattr(event, "_real", event), *args, **kwargs)
+
+    def wait(self, event, *args, **kwargs):
+        self._counts["stream waits"] += 1
+        return self._real.wait(getattr(event, "_real", event), *args, **kwargs)
+
+    def synchronize(self, *args, **kwargs):
+        self._counts["host waits"] += 1
+        return self._real.synchronize(*args, **kwargs)
+
+
+def _check_03_waits(counts) -> None:
+    assert counts["stream waits"] >= 2, (
+        "right result, but not through events: compute and D2H must each wait for an event (stream.wait(event)) "
+        "recorded on the stream before them, so the streams order themselves without the host")
+    assert counts["host waits"] == 1, (
+        f"right result, but the host waited {counts['host waits']} times: with events chaining the streams, the "
+        "host needs one wait only, d2h_done.synchronize(), after the D2H copy")
+
+
 def check_03(pipeline) -> None:
     """pipeline(dev, host_in, fn) -> fn applied on the device to host_in, through H2D, compute and D2H, as a list."""
     if _not_yet(pipeline, "pipeline"):
@@ -250,8 +286,8 @@ def check_03(pipeline) -> None:
             if busy is not None:
                 dev.stream(busy).sleep(0.2)  # that stream is still busy with earlier work
             dev.stream("other").sleep(1.0)  # unrelated work on another stream
-            start = time.perf_counter()
-            got = pipeline(dev, dev.pin(host_in), fn)
+            start, counts = time.perf_counter(), {"stream waits": 0, "host waits": 0}
+            got = pipeline(_Counted(dev, counts), dev.pin(host_in), fn)
             took = time.perf_counter() - start
             got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
         where = f"with the {busy} stream busy for 0.2 s" if busy else "with idle streams"
@@ -260,6 +296,7 @@ def check_03(pipeline) -> None:
         assert took < 0.8, (f"right result, but the host waited {took:.1f} s: it waited for unrelated work on another "
                             "stream. Synchronize on the event after your D2H copy, not on the whole device, and "
                             "keep off dev.default_stream")
+        _check_03_waits(counts)
     print("✓ correct")
 
 

@@ -29,9 +29,11 @@ def run_here(capsys, *args):
 
 
 def test_demo_writes_table_and_figure(tmp_path):
-    r = run("demo", "--device", "cpu", "--max-new-tokens", "6", "--out", str(tmp_path))
+    r = run("demo", "--device", "cpu", "--max-new-tokens", "6", "--pairs", "3", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stdout and "sync" in r.stdout
+    assert "wall time async / sync over 3 alternating pairs: median" in r.stdout
+    assert "every pair gave the same tokens" in r.stdout
     assert (tmp_path / "demo_timeline.png").stat().st_size > 5000
     events = json.load(open(tmp_path / "demo_trace.json"))["traceEvents"]
     runs = {e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -118,3 +120,15 @@ def test_sampling_ab_times_both_samplers_and_finds_the_same_tokens(tmp_path):
     data = json.loads((tmp_path / "sampling_ab.json").read_text())
     assert data["tokens_equal"] and set(data["median_ms"]) == {"sorted", "unsorted"}
     assert "tokens equal: True" in r.stdout
+
+
+def test_bench_says_why_tokens_differ():
+    import torch
+
+    from minibatch.tools import bench
+
+    assert bench.agreement_line("async", "sync", 32, 32, torch.bfloat16) == "async: 32/32 requests with the same tokens as sync"
+    hf = bench.agreement_line("hf_sync_graphs", "sync", 0, 32, torch.bfloat16)
+    assert hf.startswith("hf_sync_graphs: 0/32") and "expected in bfloat16" in hf and "near-tied logits" in hf
+    assert "NOT expected" in bench.agreement_line("async", "sync", 31, 32, torch.bfloat16)
+    assert "NOT expected" in bench.agreement_line("hf", "sync", 1, 2, torch.float32)

@@ -1,9 +1,13 @@
 """The docs point at files that exist, and speak of the project, not of how it was developed."""
 
 import itertools
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "notebooks" / "src").glob("*.py"))]
@@ -36,3 +40,33 @@ def test_no_tracked_file_speaks_of_how_the_project_was_developed():
                          text=True).stdout.splitlines()
     hits = [line for line in out if 'scope="session"' not in line]
     assert not hits, "\n".join(hits[:10])
+
+
+def readme_blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+
+
+def test_readme_fences_say_what_runs_where():
+    """```python blocks run as written on a CPU; commands are ```bash (or ```console / ```shell for a GPU or
+    a server); a block without a language would be neither run nor said."""
+    fences = re.findall(r"^```(\w*)$", (ROOT / "README.md").read_text(), flags=re.M)
+    openings = fences[::2]
+    assert set(openings) <= {"python", "bash", "console", "shell"}, openings
+    assert readme_blocks("python"), "no python block found: has the fence syntax changed?"
+
+
+@pytest.mark.parametrize("block", readme_blocks("python"), ids=lambda b: b.splitlines()[0][:40])
+def test_readme_python_block_runs_as_written(block, tmp_path):
+    """Each ```python block of the README, in a fresh interpreter on the CPU, using this checkout's package."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"README block failed:\n{block}\n--- stderr ---\n{done.stderr[-3000:]}"
+    assert done.stdout.strip(), "the block printed nothing: its output should show the decoded text"
+
+
+def test_readme_reading_times_are_the_notebooks():
+    table = dict(re.findall(r"^\| \d\d \| `(\d\d)_\w+` \|.*?\| (\d+) min \|", (ROOT / "README.md").read_text(), flags=re.M))
+    said = {src.name[:2]: re.search(r"\*\*Time:\*\* about (\d+) minutes", src.read_text()).group(1)
+            for src in sorted((ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"))}
+    assert table == said, f"README's reading times {table} differ from the notebooks' {said}"

@@ -95,6 +95,38 @@ def pipeline_waiting_for_everything(dev, host_in, fn):
     return host_out.tolist()
 
 
+def pipeline_host_waits_each_stream(dev, host_in, fn):  # right values, no events: the host orders the streams
+    h2d, compute, d2h = dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H")
+    dev_in, dev_out = dev.empty(host_in.shape, host_in.dtype), dev.empty(host_in.shape, host_in.dtype)
+    host_out = dev.pin(torch.zeros_like(host_in))
+    h2d.copy(dev_in, host_in)
+    h2d.synchronize(timeout=10)
+    compute.launch(fn, dev_in, dev_out)
+    compute.synchronize(timeout=10)
+    d2h.copy(host_out, dev_out)
+    d2h.synchronize(timeout=10)
+    return host_out.tolist()
+
+
+def pipeline_events_and_extra_waits(dev, host_in, fn):  # events, but the host also waits on each event
+    h2d, compute, d2h = dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H")
+    done = [dev.event(), dev.event(), dev.event()]
+    dev_in, dev_out = dev.empty(host_in.shape, host_in.dtype), dev.empty(host_in.shape, host_in.dtype)
+    host_out = dev.pin(torch.zeros_like(host_in))
+    h2d.copy(dev_in, host_in)
+    h2d.record(done[0])
+    compute.wait(done[0])
+    done[0].synchronize(timeout=10)
+    compute.launch(fn, dev_in, dev_out)
+    compute.record(done[1])
+    d2h.wait(done[1])
+    done[1].synchronize(timeout=10)
+    d2h.copy(host_out, dev_out)
+    d2h.record(done[2])
+    done[2].synchronize(timeout=10)
+    return host_out.tolist()
+
+
 def graphs_one_per_shape(steps, kv_bucket):  # forgets that each slot needs its own graphs
     from minibatch.batching.buckets import bucket
     from minibatch.batching.buckets import ROW_BUCKETS
@@ -174,7 +206,8 @@ CASES = [  # (check, solution module, name, wrong answers)
     ("check_01", "01_synchronous_batching", "ragged_layout",
      [ragged_flat_positions, ragged_every_chunk_samples, ragged_chunk_end]),
     ("check_02", "02_cuda_streams", "max_concurrency", [concurrency_touching_overlaps, concurrency_lanes]),
-    ("check_03", "03_cuda_events", "pipeline", [pipeline_without_events, pipeline_waiting_for_everything]),
+    ("check_03", "03_cuda_events", "pipeline", [pipeline_without_events, pipeline_waiting_for_everything,
+                                                      pipeline_host_waits_each_stream, pipeline_events_and_extra_waits]),
     ("check_04", "04_race_conditions_and_slots", "count_graphs",
      [graphs_one_per_shape, graphs_without_the_new_token, graphs_per_step]),
     ("check_05", "05_carry_over", "scatter_carry_over", [scatter_in_place, scatter_with_host_loop, scatter_all_rows]),
@@ -200,3 +233,10 @@ def test_every_notebook_check_cell_survives_a_fresh_kernel():
     for src in sorted((NB / "src").glob("[0-9][0-9]_*.py")):
         text = src.read_text()
         assert f'exercises.check_{src.stem[:2]}(globals().get("' in text, src.name
+
+
+@pytest.mark.parametrize("wrong, hint", [(pipeline_host_waits_each_stream, "not through events"),
+                                         (pipeline_events_and_extra_waits, "waited 3 times")])
+def test_check_03_names_the_missing_idea(wrong, hint):
+    with pytest.raises(AssertionError, match=hint):
+        exercises.check_03(wrong)

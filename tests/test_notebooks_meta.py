@@ -1,5 +1,6 @@
 """Notebook hygiene: each .ipynb equals its source, runs clean, and imports only what its chapter has met."""
 
+import ast
 import json
 import re
 import sys
@@ -11,13 +12,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from build_notebooks import parse  # noqa: E402
 
-# the first chapter that introduces each module (README's notebook map says the same)
-CHAPTER = {"model": 0, "tokenizer": 0, "engine": 0, "checks": 0, "memory": 0,
-           "requests": 1, "kv_cache": 1, "scheduler": 1, "batch": 1, "decode_keys": 1, "sampling": 1, "sync_loop": 1,
-           "timeline": 1, "device": 2, "device_base": 2, "cpu_device": 2, "thread_device": 2, "process_settings": 2,
-           "device_process": 2, "device_names": 2, "cuda_device": 2, "slots": 4, "step": 4,
-           "carry_over": 5,
-           "async_loop": 6, "bench": 7, "floors": 7, "triton_decode": 7, "siblings": 7, "attention": 0}
+# the first chapter that introduces each module, by its import path (README's notebook map says the same);
+# a package's own name stands for what its __init__ exports
+CHAPTER = {
+    "minibatch": 0, "minibatch.args": 0,
+    "minibatch.model": 0, "minibatch.model.model": 0, "minibatch.model.tokenizer": 0, "minibatch.model.attention": 0,
+    "minibatch.model.checks": 0,
+    "minibatch.engine": 0, "minibatch.engine.engine": 0, "minibatch.engine.checks": 0, "minibatch.engine.memory": 0,
+    "minibatch.batching": 1, "minibatch.batching.requests": 1, "minibatch.batching.kv_cache": 1,
+    "minibatch.batching.scheduler": 1, "minibatch.batching.batch": 1, "minibatch.batching.decode_keys": 1,
+    "minibatch.batching.sampling": 1, "minibatch.engine.sync_loop": 1, "minibatch.timeline": 1,
+    "minibatch.devices": 2, "minibatch.devices.base": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_process": 2,
+    "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2,
+    "minibatch.devices.cuda": 2,
+    "minibatch.batching.slots": 4, "minibatch.batching.buckets": 4, "minibatch.runner": 4, "minibatch.runner.launch": 4,
+    "minibatch.runner.graphs": 4, "minibatch.runner.step": 4, "minibatch.runner.compiled": 4,
+    "minibatch.batching.carry_over": 5,
+    "minibatch.engine.async_loop": 6,
+    "minibatch.tools": 7, "minibatch.tools.bench": 7, "minibatch.tools.floors": 7, "minibatch.tools.cli": 7,
+    "minibatch.model.triton_decode": 7, "minibatch.runner.siblings": 7,
+    "minibatch.serving": 8,
+}
 # the notebooks built from a source; copies of them (my_00.ipynb, 00_welcome-Copy1.ipynb) are not tests
 NOTEBOOKS = sorted(ROOT / "notebooks" / f"{src.stem}.ipynb" for src in (ROOT / "notebooks" / "src").glob("*.py"))
 
@@ -47,13 +62,34 @@ def test_notebook_matches_its_source(nb):
     assert [(c["cell_type"], "".join(c["source"])) for c in cells] == parse(src), _edited_message(nb, src)
 
 
+def imported(source: str) -> list[str]:
+    """The minibatch modules a cell imports, read with ast: `import minibatch.x.y` gives minibatch.x.y,
+    `from minibatch.x import y` gives minibatch.x.y when y is a module, else minibatch.x."""
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]  # IPython magics
+    names = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in CHAPTER else node.module
+                      for a in node.names]
+    return [n for n in names if n == "minibatch" or n.startswith("minibatch.")]
+
+
+def test_imports_are_read_with_ast():
+    cell = "import minibatch.devices.cpu\nfrom minibatch.batching import scheduler\nfrom minibatch.tools.bench import run_mode\n" \
+           "def f():\n    from minibatch.runner import siblings\n# from minibatch.serving import x\nimport torch"
+    assert imported(cell) == ["minibatch.devices.cpu", "minibatch.batching.scheduler", "minibatch.tools.bench",
+                              "minibatch.runner.siblings"]
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_imports_only_earlier_chapters(nb):
     chapter = int(nb.name[:2])
     for source, _ in code_of(nb):
-        for mod in re.findall(r"minibatch\.(\w+)", source):
-            if mod in CHAPTER:
-                assert CHAPTER[mod] <= chapter, f"{nb.name} uses minibatch.{mod}, introduced in chapter {CHAPTER[mod]}"
+        for mod in imported(source):
+            assert mod in CHAPTER, f"{nb.name} imports {mod}, which has no chapter in CHAPTER"
+            assert CHAPTER[mod] <= chapter, f"{nb.name} imports {mod}, introduced in chapter {CHAPTER[mod]}"
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
@@ -70,8 +106,13 @@ def test_notebook_was_run_top_to_bottom_without_errors(nb):
 
 
 def test_every_module_has_a_chapter():
-    modules = {p.stem for p in (ROOT / "minibatch").glob("*.py")} - {"__init__", "__main__"}
-    assert modules <= set(CHAPTER), f"no chapter for {modules - set(CHAPTER)}"
+    modules = set()
+    for path in (ROOT / "minibatch").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] != "__main__":
+            modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert modules <= set(CHAPTER), f"no chapter for {sorted(modules - set(CHAPTER))}"
+    assert set(CHAPTER) - {"minibatch.serving"} <= modules, f"CHAPTER names modules that are gone: {sorted(set(CHAPTER) - modules)}"
 
 
 def test_every_figure_the_docs_name_is_committed():

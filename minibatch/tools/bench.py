@@ -193,3 +193,36 @@ def _hf_child(spec_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":  # the child process of hf_in_own_process
     _hf_child(sys.argv[1], sys.argv[2])
+
+
+def alternating_pairs(engine, prompts, modes: list[str], pairs: int, max_new_tokens: int, **kw):
+    """Run `modes` `pairs` times, in turn forwards and backwards, so that neither always goes first (the
+    demo; notebook 06, section 5, does the same). Every run must give the same tokens. Returns the last
+    pair's results, timelines and tokens, and each pair's wall-time ratio, last mode / first mode."""
+    ratios, outs = [], None
+    for i in range(pairs):
+        order = modes if i % 2 == 0 else modes[::-1]
+        runs = {mode: run_mode(engine, prompts, mode, max_new_tokens, **kw) for mode in order}
+        for mode, (_, _, o) in runs.items():
+            if outs is not None and o != outs:
+                raise SystemExit(f"error: pair {i + 1}: mode {mode} gave different tokens than the first run")
+            outs = o
+        if len(modes) > 1:
+            ratios.append(runs[modes[-1]][0].wall_s / runs[modes[0]][0].wall_s)
+    return [runs[m][0] for m in modes], [runs[m][1] for m in modes], outs, ratios
+
+
+def agreement_line(mode: str, ref: str, same: int, total: int, dtype: torch.dtype) -> str:
+    """'mode: same/total requests with the same tokens as ref', and why, where a difference is expected.
+
+    Our own modes must agree exactly (same kernels, same batches). transformers' generate_batch runs other
+    kernels: in float32 its greedy tokens equal ours (tests/test_cli.py; HF generate: tests/test_parity.py), but in bf16/fp16 with random
+    weights the logits are nearly flat, so near-ties round differently and flip a token, and every token
+    after it differs."""
+    line = f"{mode}: {same}/{total} requests with the same tokens as {ref}"
+    if same == total:
+        return line
+    if mode.startswith("hf") and dtype != torch.float32:
+        return (line + f" (expected in {str(dtype).removeprefix('torch.')}: transformers runs other kernels, and "
+                "near-tied logits of random weights round to other tokens; in float32 the tokens agree)")
+    return line + " (NOT expected: our modes must agree token for token)"

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -117,23 +118,23 @@ def demo(args) -> None:
     # sampled, seeded: greedy decoding makes a model this small repeat itself
     kw = dict(eos_token_id=tok.eos_token_id, max_batch_size=4, max_batch_tokens=32, temperature=args.temperature,
               seed=args.seed)
-    results, timelines, outs = [], [], None
-    engine = Engine(model)
-    # untimed, each mode once: otherwise the first timed run alone pays for opening the device and the
-    # first calls, which flatters whichever mode runs second
-    for mode in args.modes:
-        bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
-    for mode in args.modes:
-        r, tl, o = bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
-        results.append(r), timelines.append(tl)
-        if outs is not None and o != outs:
-            raise SystemExit(f"error: mode {mode} gave different tokens than {args.modes[0]}")
-        outs = o
-    engine.close()
+    with Engine(model) as engine:
+        # untimed, each mode once: otherwise the first timed run alone pays for opening the device and the
+        # first calls, which flatters whichever mode runs second
+        for mode in args.modes:
+            bench.run_mode(engine, prompts, mode, args.max_new_tokens, **kw)
+        results, timelines, outs, ratios = bench.alternating_pairs(engine, prompts, args.modes, args.pairs,
+                                                                   args.max_new_tokens, **kw)
     for p, o in zip(DEMO_PROMPTS, outs):
         print(f"  {p!r} -> {tok.decode(o)!r}")
     print()
+    print(f"the last pair of {args.pairs}:")
     print(bench.format_table(results))
+    if ratios:
+        print(f"\nwall time {args.modes[-1]} / {args.modes[0]} over {len(ratios)} alternating pairs: median "
+              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f} "
+              "(one pair alone says little: other programs move it)")
+    print(f"every pair gave the same tokens in every mode ({len(args.modes)} modes x {args.pairs} pairs)")
     fig = _demo_figure(results, timelines)
     fig.savefig(out / "demo_timeline.png", dpi=110)
     _chrome_trace(results, timelines, out / "demo_trace.json")
@@ -248,7 +249,7 @@ def bench_cmd(args) -> None:
         for mode, o in outs.items():
             ref = first_compiled if mode.endswith("+compile") else first  # same kernels, same rounding
             same = sum(a == b for a, b in zip(o, outs[ref]))
-            print(f"{mode}: {same}/{len(o)} requests with the same tokens as {ref}")
+            print(bench.agreement_line(mode, ref, same, len(o), model.dtype))
     print(bench.summary(results))
     if args.floor:
         print("\n".join(floors.floor_report(model, workload, results)))
@@ -350,6 +351,7 @@ def main(argv=None) -> None:
     d.add_argument("--max-new-tokens", type=_int(1), default=48)
     d.add_argument("--temperature", type=_float(0.0), default=0.7)
     d.add_argument("--seed", type=_int(0), default=0)
+    d.add_argument("--pairs", type=_int(1), default=5, help="alternating runs of the modes, for a median and a range")
     d.add_argument("--out", default=os.environ.get("MINIBATCH_OUT", "out"), help="folder for figure and trace")
     d.set_defaults(func=demo)
     b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")

@@ -103,7 +103,8 @@ print("\nsame tokens as Hugging Face generate ✓")
 #
 # `minibatch.generate` takes many prompts at once and returns one list of new tokens per prompt,
 # in order. A few prompts, with sampling this time (temperature 0.7, seeded, so reproducible): the
-# text varies, and some requests stop by themselves with EOS, after different numbers of tokens.
+# text varies, and a request stops either by itself, with EOS, or at the 200-token limit: the
+# output says which, for each.
 # When a token is sent to the wrong request later on, you will *see* it as garbage in the text.
 
 # %%

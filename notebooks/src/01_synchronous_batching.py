@@ -187,6 +187,8 @@ totals = tl.totals()
 print(f"device busy {tl.device_busy():.0%} of {tl.wall:.2f} s")
 for name in ("prepare", "H2D", "compute", "D2H", "update"):
     print(f"  {name:8} {totals[name] / tl.wall:6.1%}")
+print(f"  {'the rest':8} {1 - sum(totals[n] for n in ('prepare', 'H2D', 'compute', 'D2H', 'update')) / tl.wall:6.1%}"
+      "  (launching, and the device's word coming back)")
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 2.4))
@@ -196,14 +198,26 @@ fig.tight_layout()
 fig.savefig(f"{FIGURES}/01_sync_timeline_cpu.png", dpi=110)
 
 # %% [markdown]
-# On the CPU the "device" is the same processor as the host, and the tiny model's forward pass
-# is cheap, so the host's share (prepare and update) is visible but small.
+# How to read it: the CPU lane holds the host's own work, prepare (blue) and update (green), and
+# **wait** (grey): the host sitting in `synchronize`, doing nothing until the device says the step's
+# tokens are back. The device lanes hold the copies and the forward pass. The five stages do not add
+# up to the whole run: the rest, white in the figure, is the host *launching* the step's work (each
+# launch is a message to the device, which is a process of its own, notebook 02) and the time the
+# device's "done" takes to reach the host. On a GPU these are microseconds; on this emulated device a
+# fraction of a millisecond each, and more when other programs share the cores.
+#
+# On the CPU the "device" runs on the second core of the same machine, and the tiny model's forward
+# pass is cheap, so the host's share (prepare and update) is visible but not small.
 #
 # ## 8. The same loop on a real GPU
 #
 # We ran `python -m minibatch bench` with a Llama-3-8B-shaped model (random weights, bfloat16) on
 # one NVIDIA H200: 32 prompts of 256 tokens, 256 new tokens each. The recorded timeline is
-# committed under `figures/data/`, so we can redraw it here without a GPU.
+# committed under `figures/data/`, so we can redraw it here without a GPU. It is the project's
+# first recording (H200, 2026-11-29; `BENCHMARKS.md`, "History"): every step eager (no CUDA graphs),
+# attention masked over every key of the batch, and each step's compute timed on the host's clock.
+# Notebooks 02 to 07 use later recordings of the same workload, whose steps are many times shorter;
+# this one is kept because it shows what the host clock hides.
 
 # %%
 gpu = Timeline.load("../figures/data/gpu_sync_llama3-8b-shape_b32_256.json")
@@ -230,8 +244,9 @@ fig.savefig(f"{FIGURES}/01_sync_timeline_gpu.png", dpi=110)
 # * The "compute" span is about 120 ms per step, while just streaming the 8B model's weights
 #   through the H200 takes about 5 ms. Our spans are measured on the *host* clock: a compute span
 #   covers the time the CPU spends **launching** hundreds of small GPU kernels, one by one, plus
-#   the time the GPU runs them. A profile of one step (`figures/data/gpu_profile_decode_step_8b.txt`)
-#   shows 50 ms of CPU launch work per step against 21 ms of GPU kernel time. So the GPU is idle
+#   the time the GPU runs them. A profile of one decode step of this version, taken on its own
+#   (`figures/data/gpu_profile_decode_step_8b.txt`, notebook 02: 38 ms of wall time), shows about
+#   50 ms of CPU launch work under the profiler against 21 ms of GPU kernel time. So the GPU is idle
 #   far more than 6% of the time; the host clock just cannot see it. Notebooks 02 and 03 add
 #   timing on the device's own clock (CUDA events), and notebook 04 removes launch overhead with
 #   CUDA graphs.

@@ -102,7 +102,10 @@ s1.launch(kernel, "x", 0.1)
 s2.launch(kernel, "y", 0.1)
 s1.synchronize()
 s2.synchronize()
-print("both done in less than 0.15 s (not 0.2 s):", time.perf_counter() - t0 < 0.15)
+elapsed = time.perf_counter() - t0
+# one after the other would take 0.2 s; side by side about 0.1 s, more on a busy machine
+assert elapsed < 0.19, f"the two streams did not run side by side ({elapsed:.2f} s)"
+print("both done in about the time of one: the two streams ran side by side")
 
 # %% [markdown]
 # ### The package version
@@ -307,8 +310,8 @@ print(f"start-up          ~{startup:4.2f} s")
 # Each launch costs the host microseconds, and a device that runs tiny pieces of work spends much of its time waiting for
 # the next one to be launched. On a GPU this is what holds back a model run **eagerly**, one
 # PyTorch operation at a time, when its kernels are short. Our profile of one decode step of the 8B-shaped model at batch 32 on
-# an H200 (`scripts/gpu/profile_step.py`, eager, the recorded output is
-# `figures/data/gpu_profile_decode_step_8b.txt`):
+# an H200 (eager, the first version of the step, 2026-11-29: `torch.profiler` around three decode
+# steps, its table recorded in `figures/data/gpu_profile_decode_step_8b.txt`):
 
 # %%
 prof = open("../figures/data/gpu_profile_decode_step_8b.txt").read()

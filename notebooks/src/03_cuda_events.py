@@ -325,7 +325,13 @@ fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 
 # %% [markdown]
 # Each step reads the same from left to right: prepare (blue), H2D, compute, D2H on the device
-# while the host waits (grey), update (green), and again. The host and the device still take turns,
+# while the host waits (grey), update (green), and again. The white gap after each prepare, on
+# every lane, is the launch: the host hands the step's three pieces of work and their events to the
+# device, which on this machine is a process of its own (notebook 02), so each is a message that
+# the device must read before it can start; a millisecond or a few, more when the cores are busy.
+# On a GPU a launch is microseconds and the gap all but disappears; the turn-taking does not. (So
+# the printed shares do not add up to the whole: waiting, preparing and updating are the host's
+# spans, launching is not one of them.) The host and the device still take turns,
 # exactly as in notebook 01; streams and events changed *how* the host waits, not *whether*.
 #
 # ## 5. The same on an H200
@@ -334,8 +340,8 @@ fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 # (bf16, random weights), 32 prompts of 256 tokens, 256 new tokens each, decode steps replayed as
 # CUDA graphs: the "graphs on, run 2" of `BENCHMARKS.md` (H200, 2026-11-29, `python -m minibatch
 # bench --model llama3-8b-shape --device cuda --modes sync,async --cuda-graphs on ...`), made with the
-# first version of the decode step (einsum attention, full sampler; notebook 07 shows how it later
-# came down from 16.2 to 10.2 ms). The device spans are measured with CUDA events on the GPU's own
+# first version of the decode step (einsum attention, full sampler; notebook 07 shows how a step of
+# this workload later came down from 15.5 <!-- from figures/data/headline.json: decode_step.first_graphed_ms --> to 5.4 ms <!-- from figures/data/headline.json: decode_step.merged_ms -->). The device spans are measured with CUDA events on the GPU's own
 # clock, so unlike notebook 01's host-clock spans they show when the GPU actually worked. We look at
 # the decode steps from step 5 on (steps 0 to 3 prefill the 32 prompts, 2,048 tokens at a time, and
 # the first decode step is an outlier):
@@ -365,7 +371,7 @@ print(f"median host wait on d2h_done                {wait_ms:5.1f} ms")
 fig, ax = plt.subplots(figsize=(10, 2.6))
 start = waits[100].start - 0.004
 tl_window = (start, start + 0.08)
-gpu.plot(ax=ax, start=tl_window[0], end=tl_window[1], title="sync loop, 8B shape on an H200, CUDA graphs: 80 ms")
+gpu.plot(ax=ax, start=tl_window[0], end=tl_window[1], title="sync loop, 8B shape, H200, CUDA graphs, first decode step (2026-11-29): 80 ms")
 row = 2  # lanes drawn: CPU, H2D, compute, D2H
 for n in range(100, 104):
     gap_start, gap_end = compute[n].end - start, compute[n + 1].start - start
@@ -415,7 +421,8 @@ fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 # `dev_out` back to a host buffer on `dev.stream("D2H")`, and returns the result as a list. Use
 # events so that the result is right however busy each stream is, and let the host wait only for
 # your D2H copy (the check keeps another stream busy for a second; `dev.synchronize()` would wait
-# for it too).
+# for it too). The check also counts: compute and D2H must each wait for an event, and the host may
+# synchronize once.
 
 # %%
 pipeline = None  # replace with your function

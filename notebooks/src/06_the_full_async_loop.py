@@ -10,7 +10,6 @@
 # **Time:** about 10 minutes (CPU or GPU).
 
 # %%
-import glob
 import io
 import os
 import time
@@ -257,20 +256,24 @@ fig.savefig(f"{FIGURES}/06_sync_vs_async_timeline_cpu.png", dpi=110)
 #
 # `minibatch.generate(..., on_step=callback)` calls `callback(plan, finished)` on the host after
 # each step's tokens are applied. We use it to redraw the timeline while the loop runs: each frame
-# shows the last 10 steps. Drawing is not free (a tenth of a second or so here, the time of ten
-# steps or more), and while the host draws it does not prepare the next batch, so we draw at most
-# every quarter of a second and record each drawing as a `draw` span (red) on the host's lane, with
-# its share of the run in the title. The frames replace each other in one output; when the run
-# ends, the last frame stays there (also in the saved notebook).
+# shows the last 12 steps. The tiny model's run above lasts a second or two, too short to watch, so
+# this run generates 200 tokens per prompt, never stops at EOS, and slows the device down with an
+# **injected delay of 40 ms per step** on the compute stream (a sleep, as in notebook 04: it needs no
+# core, like a GPU's work): about 10 seconds in all. Drawing is not free (a tenth of a second or so
+# here, more on a busy machine), and while the host draws it does not prepare the next batch, so
+# after each drawing we wait at least ten times as long as it took (and half a second), which keeps
+# drawing near a tenth of the run or less, and record each drawing as a `draw` span (red) on the
+# host's lane, with its share of the run in the title. The frames replace each other in one output;
+# when the run ends, the last frame stays there (also in the saved notebook).
 
 # %%
 DRAW_COLOUR = "#C44E52"
 LIVE_LEGEND = LEGEND + [Patch(color=DRAW_COLOUR, label="host draws")]
-live_fig = Figure(figsize=(9, 2.0))  # one figure, redrawn: not pyplot, so no figure piles up
+live_fig = Figure(figsize=(10, 3.0))  # one figure, redrawn: not pyplot, so no figure piles up
 live_ax = live_fig.subplots()
 
 
-def frame(spans, title, last_steps=10):
+def frame(spans, title, last_steps=12):
     """A PNG of the spans of the last `last_steps` steps."""
     live_ax.clear()
     if spans:
@@ -280,9 +283,9 @@ def frame(spans, title, last_steps=10):
     else:
         draw([], live_ax, 0.0, 0.1, title)
     live_ax.legend(handles=LIVE_LEGEND, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    live_fig.subplots_adjust(left=0.08, right=0.84, bottom=0.15, top=0.85)  # fixed layout: cheaper than tight
+    live_fig.subplots_adjust(left=0.08, right=0.84, bottom=0.12, top=0.88)  # fixed layout: cheaper than tight
     buf = io.BytesIO()
-    live_fig.savefig(buf, format="png", dpi=70)
+    live_fig.savefig(buf, format="png", dpi=80)
     return Image(data=buf.getvalue())
 
 
@@ -290,22 +293,35 @@ live_tl = Timeline()
 shown = display(frame([], "async loop, live: waiting for the first steps"), display_id=True)
 
 
+def draw_share():
+    """The share of the run so far that the host spent drawing."""
+    spans = list(live_tl.spans)  # the device threads keep adding spans: a snapshot
+    if not spans:
+        return 0.0
+    return sum(s.duration for s in spans if s.name == "draw") / (live_tl.now() - min(s.start for s in spans))
+
+
 def on_step(plan, finished):
-    draws = [s for s in live_tl.spans if s.name == "draw"]
-    start = live_tl.now()
-    if draws and start - draws[-1].end < 0.25:
-        return  # drew less than a quarter of a second ago
-    spans = list(live_tl.spans)  # the device threads keep adding spans: draw a snapshot
-    cost = sum(s.duration for s in draws) / (start - min(s.start for s in spans))
-    shown.update(frame(spans, f"async loop, live: the last 10 steps up to step {plan.step}; "
-                              f"drawing took {cost:.0%} of the run so far"))
+    start, spans = live_tl.now(), list(live_tl.spans)
+    draws = [s for s in spans if s.name == "draw"]
+    since = draws[-1].end if draws else min(s.start for s in spans)
+    if start - since < max(0.5, 10 * draws[-1].duration if draws else 1.0):
+        return  # wait at least 10 times as long as the last drawing took: drawing stays near 1/11 of the run
+    shown.update(frame(spans, f"async loop, live: the last 12 steps up to step {plan.step}; "
+                              f"drawing took {draw_share():.0%} of the run so far"))
     live_tl.add("CPU", "draw", start, live_tl.now(), plan.step)
 
 
-longer = {**work, "max_new_tokens": 96}  # a run long enough for a few frames
-live_out = minibatch.generate(model, mode="async", timeline=live_tl, on_step=on_step, **longer)
-assert live_out == minibatch.generate(model, mode="sync", **longer)
-shown.update(frame(live_tl.spans, "async loop, the last 10 steps of the run (final frame)"))
+longer = {**work, "max_new_tokens": 200, "eos_token_id": None}  # about 10 s with the delay below
+live_out = minibatch.generate(model, mode="async", timeline=live_tl, on_step=on_step,
+                              inject_delays={"compute": 0.04}, **longer)
+assert live_out == minibatch.generate(model, mode="sync", **longer)  # the delay changes timing, not tokens
+shown.update(frame(live_tl.spans, f"async loop, the last 12 steps of the run (final frame); "
+                                  f"drawing took {draw_share():.0%} of it"))
+frames = sum(s.name == "draw" for s in live_tl.spans)
+# the rule keeps drawing near 1/11 of the run; a busy machine draws more slowly, so less often
+assert live_tl.wall > 8 and frames >= 2 and draw_share() < 0.15, (live_tl.wall, frames, draw_share())
+print("a run of ten seconds or so, redrawn every second or few; the final title says drawing's share")
 
 # %% [markdown]
 # A closer look at one drawing, from the recorded timeline: 50 ms either side of the last `draw`.
@@ -400,33 +416,30 @@ with minibatch.Engine(model) as engine:
 # synchronous loop and 99.4% in the asynchronous one, 22% less wall time. We recorded
 # `python -m minibatch bench --modes sync,async` on one H200 (Llama-3-8B shape with random
 # weights, bfloat16, 32 prompts of 256 tokens, 256 new tokens each), once eager and once with CUDA
-# graphs (`BENCHMARKS.md`, 2026-11-29, "graphs on, run 2": 16.2 ms per decode step), and later once
-# more with the faster decode step of notebook 07 ("sdpa": 10.3 ms per decode step, run A of the
-# "Headline" section of `BENCHMARKS.md`, `scripts/gpu/final2.sh`, keys padded to 256). The timelines are committed as `figures/data/gpu_sync_*.json` and
-# `gpu_async_*.json`, so the cell below redraws them without a GPU (and says so if they are missing). On a GPU the device
-# spans are timed with CUDA events, on the GPU's own clock.
+# graphs (`BENCHMARKS.md`, 2026-11-29, "graphs on, run 2", with the first version of the decode
+# step), and later once more with the faster decode step of notebook 07 ("sdpa": gathered keys and
+# SDPA attention, keys padded to 256, 2026-11-30, run A of the "Headline" section of
+# `BENCHMARKS.md`). None of them is today's default step (the Triton attention of notebook 07, since
+# compiled and merged): the README's results table has its numbers, and the timelines' shape is the
+# same. The timelines are committed as `figures/data/gpu_sync_*.json` and `gpu_async_*.json`, so the
+# cell below redraws them without a GPU. On a GPU the device spans are timed with CUDA events, on
+# the GPU's own clock.
 
 # %%
-recordings = [p for kind in ("eager", "graphs", "sdpa")  # (notebook 07 draws the other recordings)
-              for p in glob.glob(f"../figures/data/gpu_async_{kind}_llama3-8b-shape_b32_256.json")]
-if not recordings:
-    print("No GPU recording yet (figures/data/gpu_async_*.json): this section fills in once it is committed.")
-for path in recordings:
-    gpu = {"async": Timeline.load(path)}
-    sync_path = path.replace("gpu_async_", "gpu_sync_")
-    if glob.glob(sync_path):
-        gpu["sync"] = Timeline.load(sync_path)
-    name = path.split("gpu_async_")[1].removesuffix(".json")  # e.g. graphs_llama3-8b-shape_b32_256
+RECORDED = {"eager": "eager, first decode step, 2026-11-29", "graphs": "CUDA graphs, first decode step, 2026-11-29",
+            "sdpa": "CUDA graphs, gather + SDPA step, 2026-11-30"}  # (notebook 07 draws the other recordings)
+for kind, what in RECORDED.items():
+    name = f"{kind}_llama3-8b-shape_b32_256"
+    gpu = {mode: Timeline.load(f"../figures/data/gpu_{mode}_{name}.json") for mode in ("async", "sync")}
     for mode, tl in gpu.items():
         steps = len({s.step for s in tl.spans if s.step >= 0})
-        print(f"{name} {mode:5}: device busy {tl.device_busy():.1%}, {steps} steps in {tl.wall:.1f} s")
-    if "sync" in gpu:
-        print(f"{name}: async / sync wall time {gpu['async'].wall / gpu['sync'].wall:.2f}")
+        print(f"{kind} {mode:5}: device busy {tl.device_busy():.1%}, {steps} steps in {tl.wall:.1f} s")
+    print(f"{kind}: async / sync wall time {gpu['async'].wall / gpu['sync'].wall:.2f}")
     fig, axes = plt.subplots(len(gpu), 1, figsize=(10, 2.1 * len(gpu)), sharex=True, squeeze=False)
     for ax, (mode, tl) in zip(axes[:, 0], sorted(gpu.items(), reverse=True)):
         steps = sorted({s.step for s in tl.spans if s.name == "prepare"})
         t0 = next(s.start for s in tl.spans if s.name == "prepare" and s.step == steps[len(steps) // 2])
-        draw(tl.spans, ax, t0, t0 + 0.5, f"{mode} loop, {name.replace('_', ' ')}, H200 (a 0.5 s window)")
+        draw(tl.spans, ax, t0, t0 + 0.5, f"{mode} loop, 8B shape, b32, H200, {what} (a 0.5 s window)")
     axes[-1, 0].set_xlabel("time (s)")
     fig.legend(handles=LEGEND, loc="upper right", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.93))

@@ -61,19 +61,27 @@ for plain in ("", "+compile"):
 ours = max((r for r in run["results"] if not r["mode"].startswith("hf")), key=lambda r: r["tokens_per_s"])
 theirs = max((r for r in run["results"] if r["mode"].startswith("hf")), key=lambda r: r["tokens_per_s"])
 print(f"fastest: {ours['mode']} {ours['tokens_per_s']:.0f} tok/s vs {theirs['mode']} {theirs['tokens_per_s']:.0f} "
-      f"tok/s = {ours['tokens_per_s'] / theirs['tokens_per_s']:.1f}x")
+      f"tok/s = {ours['tokens_per_s'] / theirs['tokens_per_s']:.1f}x (both in this one process)")
+apart = {r["mode"]: r for r in json.load(open(DATA + "runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"))["results"]}
+print(f"each in a process of its own, a later step (2026-12-01): async+compile {apart['async+compile']['tokens_per_s']:.0f} "
+      f"tok/s vs hf_sync_graphs {apart['hf_sync_graphs']['tokens_per_s']:.0f} tok/s = "
+      f"{apart['async+compile']['tokens_per_s'] / apart['hf_sync_graphs']['tokens_per_s']:.2f}x")
 
 # %% [markdown]
 # What to read from it:
 #
 # * **Asynchrony does what the article says**: the device goes from about 80% busy to 100%, and
-#   the same work takes about a fifth less time. Across the runs we recorded (BENCHMARKS.md) the
-#   async/sync ratio was 0.79 to 0.81 on this workload. Why not the article's 0.78? When the async
-#   loop keeps the device 100% busy, the best it can do is remove the sync loop's idle share, so the
-#   ratio is close to the sync loop's busy fraction: 76% in the article, 81-83% here. Our sync loop
-#   leaves less idle time to win back; we did not slow it down to make async look better.
+#   the same work takes about a fifth less time: in this run the async/sync ratio is 0.81 <!-- from figures/data/headline.json: same_process.ratio -->
+#   (0.79 <!-- from figures/data/headline.json: same_process.compile_ratio --> compiled). Why not the article's 0.78? When the async loop keeps the device
+#   100% busy, the best it can do is remove the sync loop's idle share, so the ratio is close to the
+#   sync loop's busy fraction: 76% in the article, 83% <!-- from figures/data/headline.json: same_process.sync_busy_pct --> here (81% <!-- from figures/data/headline.json: same_process.sync_compile_busy_pct --> compiled). Our
+#   sync loop leaves less idle time to win back; we did not slow it down to make async look better.
+#   Later runs with a faster step (the README's results table) left the sync loop busy 85-88% <!-- from figures/data/headline.json: headline.sdpa_sync_busy_pct, headline.triton_sync_busy_pct -->
+#   and gave ratios of 0.84 and 0.85 <!-- from figures/data/headline.json: headline.sdpa_ratio, headline.triton_ratio -->: the same rule.
 # * **Against transformers' own continuous batching** on the same model and prompts, its fastest
-#   mode here was synchronous with CUDA graphs. (Its async modes were slower than its sync modes on
+#   mode here was synchronous with CUDA graphs. Run in the same process after our engine, it gets
+#   less GPU memory and looks slower than it is; each in a process of its own (the second line), our
+#   fastest mode is 6.32x <!-- from figures/data/headline.json: vs_transformers.speedup --> its fastest, the number the README quotes. (Its async modes were slower than its sync modes on
 #   this workload, in this version. The project measured 701 tok/s for its best mode on another day;
 #   we are several times faster than either number.) Its bf16 tokens differ from ours: random
 #   weights give nearly flat logits, and different kernels round differently; in float32 the tokens
@@ -107,7 +115,7 @@ for ax, (mode, tl) in zip(axes, timelines.items()):
     ax.set_ylabel("busy")
     ax.set_title(f"{mode}: device busy {tl.device_busy():.0%}, {tl.wall:.2f} s", fontsize=10, loc="left")
 axes[1].set_xlabel("time since start (s), 50 ms windows")
-fig.suptitle("8B shape, batch 32, 256 new tokens, H200 (CUDA graphs)")
+fig.suptitle("8B shape, batch 32, 256 new tokens, H200 (CUDA graphs, gather + SDPA step, 2026-11-30)")
 fig.tight_layout()
 fig.savefig(f"{FIGURES}/07_busy_over_time_gpu.png", dpi=110)
 
@@ -219,10 +227,14 @@ for ax, context in zip(axes, (512, 2048)):
     for key, style in (("default", "o-"), ("unmerged", "s:"), ("compile", "s-"), ("linear", "x:"), ("floor", "k--")):
         ax.plot(x, [m[key] for m in pts], style, label=labels.get(key, key))
     for i, m in enumerate(pts):
+        last = i == len(pts) - 1  # its label goes to the left, inside the axes
         ax.annotate(f"{m['compile'] / m['floor']:.2f}x", (i, m["compile"]), textcoords="offset points",
-                    xytext=(6, -4), ha="left", va="top", fontsize=8, color="tab:green",
+                    xytext=(-6 if last else 6, -4), ha="right" if last else "left", va="top", fontsize=8,
+                    color="tab:green", annotation_clip=True,
                     bbox=dict(facecolor="white", edgecolor="none", pad=0.3, alpha=0.85))
     ax.set_xticks(list(x), [str(m["batch"]) for m in pts])
+    ax.set_xlim(-0.3, len(pts) - 0.7)
+    ax.margins(y=0.12)
     ax.set_xlabel(f"batch (rows), context {context}")
     ax.set_title(f"8B shape, context {context}", fontsize=10)
 axes[0].set_ylabel("decode step, ms (H200)")
@@ -235,8 +247,8 @@ for m in matrix:
           f" {m['compile']:8.2f} {m['compile'] / m['floor']:5.2f} {m['unmerged']:10.2f} {m['unmerged'] / m['floor']:5.2f}")
 
 # %% [markdown]
-# How to read it. The compiled step is 1.16-1.41x its full floor, 1.20-1.51x without the merge; the
-# eager one 1.44-2.05x. Two things keep them above the floor:
+# How to read it. The compiled step is 1.16-1.41x <!-- from figures/data/headline.json: floor_matrix.compile_min, floor_matrix.compile_max --> its full floor, 1.20-1.51x <!-- from figures/data/headline.json: floor_matrix.unmerged_min, floor_matrix.unmerged_max --> without the merge; the
+# eager one 1.44-2.05x <!-- from figures/data/headline.json: floor_matrix.default_min, floor_matrix.default_max -->. Two things keep them above the floor:
 #
 # * **The matrix products themselves** (dotted line, every Linear layer as the model calls it): at 1
 #   to 32 rows cuBLAS streams the weights at about 80% of the copy's bandwidth, so the products alone
@@ -360,7 +372,7 @@ with torch.no_grad():
 
 # %%
 sweep = json.load(open(DATA + "gpu_sweep_2026-12-01.json"))
-fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4.4))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.4))
 colors = {}
 for (name, ctx) in dict.fromkeys((r["model"], r["context"]) for r in sweep):
     mine = [r for r in sweep if r["model"] == name and r["context"] == ctx]
@@ -369,16 +381,12 @@ for (name, ctx) in dict.fromkeys((r["model"], r["context"]) for r in sweep):
     line, = ax1.plot(x, [r["wall_ratio"] for r in mine], label=f"{name}, ctx {ctx}", **style)
     colors[name] = style["color"] = line.get_color()
     ax2.plot(x, [100 * r["async"]["device_busy"] for r in mine], **style)
-    ax3.plot(x, [r["step_over_floor"] for r in mine], **style)
 ax1.axhline(1.0, color="gray", lw=0.8)
 ax1.set(xscale="log", xlabel="batch size", ylabel="wall time, async / sync", title="lower is better", ylim=(0.6, 1.05))
 ax2.axhline(99, color="gray", lw=0.8, ls=":")
 ax2.set(xscale="log", xlabel="batch size", ylabel="device busy, async (%)", title="is the device kept busy?",
         ylim=(97, 100.2))
-ax3.axhline(1.0, color="gray", lw=0.8)
-ax3.set(xscale="log", xlabel="batch size", ylabel="decode step / full floor", title="decode step against the floor",
-        yscale="log")
-for ax in (ax1, ax2, ax3):
+for ax in (ax1, ax2):
     ax.set_xticks([1, 8, 32, 128], ["1", "8", "32", "128"])
 fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, title_fontsize=8,
            title="solid: context 512, dashed: context 2048")
@@ -386,26 +394,26 @@ fig.tight_layout(rect=(0, 0.2, 1, 1))
 fig.savefig(f"{FIGURES}/07_sweep_gpu.png", dpi=110)
 for r in sweep:
     print(f"{r['model']:17} batch {r['batch']:3} ctx {r['context']:4}: ratio {r['wall_ratio']:.2f}, busy "
-          f"{r['sync']['device_busy']:.1%} -> {r['async']['device_busy']:.1%}, step/floor {r['step_over_floor']:.2f}")
+          f"{r['sync']['device_busy']:.1%} -> {r['async']['device_busy']:.1%}")
 
 # %% [markdown]
 # Three things to read in it.
 #
 # * **The gain shrinks as steps grow.** The 1B shape gains most (0.73-0.76 at batch 1-32 with context
-#   512, 0.70 at batch 1 with 2048): its steps are the shortest (16 layers, ~2.5 ms), so the host's work is a large share of
+#   512, 0.70 <!-- from figures/data/headline.json: sweep.ratio_min --> at batch 1 with 2048): its steps are the shortest (16 layers, ~2.5 ms), so the host's work is a large share of
 #   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
 #   most of the run, and the ratio goes towards 1.
-# * **The async loop keeps the device busy at every point: 99.2-100%.** It did not always: before
+# * **The async loop keeps the device busy at every point: 99.2-100% <!-- from figures/data/headline.json: sweep.busy_min_pct, sweep.busy_max_pct -->.** It did not always: before
 #   prefill steps could be CUDA graphs (`runner/graphs.py`, `batch.pad_flat`), the small shapes dropped to
 #   97.8-98.8%, because an eager prefill step of a small model is bound by the host launching its
 #   kernels. The device then never ran far ahead of the host, and waited while the host prepared the
 #   next step. Padded to bucketed sizes and replayed, prefill steps are queued like decode steps.
 # * **Size in parameters is not what sets a small model's step.** The 0.6B shape's decode step is
-#   4-7 ms, far above its floor of 0.3-2 ms, and longer than the 1B shape's: 28 layers make ~1400
-#   small kernels per step, and their own latency, not the bytes they read, sets the time. The
-#   points below 1 are not faster than the floor: at 128 x 2048, prefill takes more steps than
-#   decoding, the first requests finish before the last start, and decode-only steps run with fewer
-#   rows than 128 (section 3 measures fixed-batch steps).
+#   4-7 ms, longer than the 1B shape's: 28 layers make ~1400 small kernels per step, and their own
+#   latency, not the bytes they read, sets the time. (The sweep's file also holds each run's median
+#   decode step over a floor at the nominal batch; we do not plot it: where prefill takes many steps,
+#   the first requests finish before the last start and decode steps run with fewer rows than the
+#   nominal batch, so that ratio can even fall below 1. Section 3 measures steps at a fixed batch.)
 #
 # ## 5. Can we trust our busy fraction?
 #
@@ -417,13 +425,13 @@ for r in sweep:
 print("".join(open(DATA + "gpu_profile_async_8b.txt").readlines()[:3]))
 
 # %% [markdown]
-# At the scale of steps they agree (98.8% against 98.9% once gaps shorter than 1 ms are counted as
-# busy). At the scale of kernels the device is idle 16% of the time, in gaps our events cannot see:
+# At the scale of steps they agree (98.8% <!-- from figures/data/headline.json: profile.timeline_busy_pct --> against 98.9% once gaps shorter than 1 ms are counted as
+# busy). At the scale of kernels the device is busy 82.9% <!-- from figures/data/headline.json: profile.kernels_busy_pct --> of the time and idle 17% <!-- from figures/data/headline.json: profile.kernels_idle_pct -->, in gaps our events cannot see:
 # about 6 points in gaps under 5 µs, the launch gaps between consecutive kernels of a replayed CUDA
-# graph (section 3's kernel table: 0.58 ms of gaps in a 10.21 ms step); the other 10 in gaps of 5 µs to 1 ms,
+# graph (section 3's kernel table: 0.58 ms of gaps in a 10.21 ms step); about 10 in gaps of 5 µs to 1 ms,
 # between graph replays, around the copies and inside the eagerly run prefill steps (this profiled
 # run is short, 64 new tokens, so its prefill weighs more), with the profiler's own overhead in all
-# of them. Two measures, two questions: "does the device wait for the host?" (ours) and "is a
+# of them; the last point in a few longer gaps. Two measures, two questions: "does the device wait for the host?" (ours) and "is a
 # kernel running?" (the profiler's). Fewer, bigger kernels (`torch.compile`) shrink the first kind
 # of gap; the loop cannot.
 #
@@ -521,12 +529,13 @@ else:
 #
 # * Measure in one process, side by side, and report ratios with their spread.
 # * On an H200 the asynchronous loop keeps the GPU 99-100% busy and cuts wall time by about a fifth
-#   at batch 32 (ratio 0.79-0.81), with the same tokens as the synchronous loop; down to 0.61 for a
+#   at batch 32 (ratio 0.79-0.81 <!-- from figures/data/headline.json: same_process.compile_ratio, same_process.ratio --> in one run, 0.84-0.85 <!-- from figures/data/headline.json: headline.sdpa_ratio, headline.triton_ratio --> with later, faster steps whose
+#   sync loop idles less), with the same tokens as the synchronous loop; down to 0.70 <!-- from figures/data/headline.json: sweep.ratio_min --> for a
 #   1B-shaped model, where the host's share of a step is larger.
 # * A faster loop exposes the step: greedy argmax, fused attention and finer key buckets took the
-#   8B decode step from 15.5 to 9.8 ms; an attention kernel that reads the paged cache in place took
-#   it to 8.5 ms, torch.compile to 6.1 ms and merging q/k/v and gate/up into one product each inside
-#   the compiled graph to 5.4 ms at batch 32: 1.16-1.41x the full floor (weights plus keys and values)
+#   8B decode step from 15.5 to 9.8 ms <!-- from figures/data/headline.json: decode_step.first_graphed_ms, decode_step.argmax_sdpa_64keys_ms -->; an attention kernel that reads the paged cache in place took
+#   it to 8.5 ms <!-- from figures/data/headline.json: decode_step.triton_ms -->, torch.compile to 6.1 ms <!-- from figures/data/headline.json: decode_step.compile_ms --> and merging q/k/v and gate/up into one product each inside
+#   the compiled graph to 5.4 ms <!-- from figures/data/headline.json: decode_step.merged_ms --> at batch 32 (the last three from whole runs, section 1's command): 1.16-1.41x <!-- from figures/data/headline.json: floor_matrix.compile_min, floor_matrix.compile_max --> the full floor (weights plus keys and values)
 #   from 1 to 128 rows, bounded by the matrix products and by kernel count.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.

@@ -1,0 +1,121 @@
+"""The numbers the prose quotes, derived from the recorded runs they come from.
+
+Each function reads one recorded run under figures/data and returns the quantities that the
+notebooks' prose and the README quote from it. `figures/data/headline.json` holds their values;
+tests/test_numbers.py checks that it equals what these functions derive and that every number the
+prose marks with `<!-- from figures/data/headline.json: key ... -->` is the headline value rounded
+the way it is written.
+"""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "figures" / "data"
+
+
+def _bench(path: str) -> dict:
+    return {r["mode"]: r for r in json.loads((DATA / path).read_text())["results"]}
+
+
+def decode_step() -> dict:
+    """The 8B decode step at batch 32 as it got faster (ms)."""
+    text = (DATA / "gpu_step_ab_8b.txt").read_text().splitlines()
+    graph = [float(line.split("graph")[1].split()[0]) for line in text if line.startswith("ctx  383")]
+    triton = _bench("gpu_bench_triton_2026-11-30.json")["sync"]
+    compiled = _bench("gpu_bench_compile_2026-12-01.json")["sync+compile"]
+    merged = _bench("runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json")["async+compile"]
+    return {"first_graphed_ms": graph[0], "argmax_sdpa_64keys_ms": graph[5],
+            "triton_ms": triton["decode_compute_ms"], "compile_ms": compiled["decode_compute_ms"],
+            "merged_ms": merged["decode_compute_ms"]}
+
+
+def headline() -> dict:
+    """README's results table: 8B shape, 32 x 256 prompts, 256 new tokens, CUDA graphs."""
+    out = {}
+    for name, path in (("triton", "gpu_bench_triton_2026-11-30.json"), ("sdpa", "gpu_bench_headline_2026-11-30.json")):
+        res = _bench(path)
+        for mode in ("sync", "async"):
+            r = res[mode]
+            out.update({f"{name}_{mode}_wall_s": r["wall_s"], f"{name}_{mode}_tok_s": r["tokens_per_s"],
+                        f"{name}_{mode}_busy_pct": 100 * r["device_busy"],
+                        f"{name}_{mode}_decode_ms": r["decode_compute_ms"]})
+        out[f"{name}_ratio"] = res["async"]["wall_s"] / res["sync"]["wall_s"]
+    hf = _bench("gpu_bench_headline_2026-11-30.json")["hf_sync_graphs"]
+    out.update({"hf_sync_graphs_wall_s": hf["wall_s"], "hf_sync_graphs_tok_s": hf["tokens_per_s"]})
+    return out
+
+
+def vs_transformers() -> dict:
+    """Ours against transformers' generate_batch, each mode in a process of its own."""
+    res = _bench("runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json")
+    ours, theirs, plain = res["async+compile"], res["hf_sync_graphs"], res["async"]
+    return {"ours_tok_s": ours["tokens_per_s"], "hf_tok_s": theirs["tokens_per_s"], "plain_async_tok_s": plain["tokens_per_s"],
+            "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "plain_speedup": plain["tokens_per_s"] / theirs["tokens_per_s"]}
+
+
+def same_process() -> dict:
+    """Notebook 07's section 1: every mode in one process (older step, CUDA graphs)."""
+    res = _bench("gpu_bench_all_llama3-8b-shape_b32_256.json")
+    best_hf = max((r for m, r in res.items() if m.startswith("hf")), key=lambda r: r["tokens_per_s"])
+    return {"ratio": res["async"]["wall_s"] / res["sync"]["wall_s"],
+            "compile_ratio": res["async+compile"]["wall_s"] / res["sync+compile"]["wall_s"],
+            "sync_busy_pct": 100 * res["sync"]["device_busy"],
+            "sync_compile_busy_pct": 100 * res["sync+compile"]["device_busy"],
+            "speedup": res["async+compile"]["tokens_per_s"] / best_hf["tokens_per_s"]}
+
+
+def sweep() -> dict:
+    """Where async helps most: model shape x batch x context (scripts/sweep.py)."""
+    rows = json.loads((DATA / "gpu_sweep_2026-12-01.json").read_text())
+    one_b = [r["wall_ratio"] for r in rows if r["model"] == "llama3-1b-shape"
+             and (r["context"] == 512 and r["batch"] <= 32 or r["batch"] == 1)]
+    busy = [100 * r["async"]["device_busy"] for r in rows]
+    return {"points": len(rows), "ratio_min": min(r["wall_ratio"] for r in rows),
+            "ratio_max": max(r["wall_ratio"] for r in rows), "one_b_min": min(one_b), "one_b_max": max(one_b),
+            "busy_min_pct": min(busy), "busy_max_pct": max(busy)}
+
+
+def floor_matrix() -> dict:
+    """The decode step at fixed batch x context against its full floor (floor_matrix.py)."""
+    run = DATA / "runs" / "gpu_merged_projections_2026-12-01"
+    pts = [p for part in ("floor_matrix_batches_1_32.json", "floor_matrix_batches_8_128.json")
+           for p in json.loads((run / part).read_text())["points"]]
+    out = {}
+    for kind in ("default", "compile", "unmerged"):
+        ratios = [p[kind]["ms"] / p["floor_ms"] for p in pts]
+        out.update({f"{kind}_min": min(ratios), f"{kind}_max": max(ratios)})
+    return out
+
+
+def profile() -> dict:
+    """Our busy fraction against torch.profiler's kernels (scripts/gpu/profile_async.py)."""
+    first = (DATA / "gpu_profile_async_8b.txt").read_text().splitlines()[0]
+    timeline, kernels = (float(x) for x in re.findall(r"([\d.]+)%", first)[:2])
+    return {"timeline_busy_pct": timeline, "kernels_busy_pct": kernels, "kernels_idle_pct": 100 - kernels}
+
+
+SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
+            "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile}
+SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
+                           "figures/data/gpu_bench_compile_2026-12-01.json",
+                           "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
+           "headline": ["figures/data/gpu_bench_triton_2026-11-30.json", "figures/data/gpu_bench_headline_2026-11-30.json"],
+           "vs_transformers": ["figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
+           "same_process": ["figures/data/gpu_bench_all_llama3-8b-shape_b32_256.json"],
+           "sweep": ["figures/data/gpu_sweep_2026-12-01.json"],
+           "floor_matrix": ["figures/data/runs/gpu_merged_projections_2026-12-01/floor_matrix_batches_1_32.json",
+                            "figures/data/runs/gpu_merged_projections_2026-12-01/floor_matrix_batches_8_128.json"],
+           "profile": ["figures/data/gpu_profile_async_8b.txt"]}
+
+
+def derive() -> dict:
+    """headline.json's contents, derived from the recorded runs."""
+    return {name: {"sources": SOURCES[name], **{k: round(v, 4) if isinstance(v, float) else v for k, v in fn().items()}}
+            for name, fn in SECTIONS.items()}
+
+
+if __name__ == "__main__":  # rewrite figures/data/headline.json after a new recording is committed
+    (DATA / "headline.json").write_text(json.dumps(derive(), indent=1) + "\n")
