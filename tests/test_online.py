@@ -237,8 +237,6 @@ def test_many_threads_and_tasks_submit_at_once(tiny):
     assert threading.active_count() == threads_before
 
 
-@pytest.mark.xfail(strict=True, reason="known leak: under pytest this run leaves about 70 more open descriptors "
-                   "than it found (not seen in a plain interpreter); to be found")
 def test_many_submissions_leave_no_descriptor_open(tiny):
     fds_before = _fds()
     with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8):
