@@ -42,7 +42,7 @@ BLOCK_SIZE = 16  # generate's default block size
 
 def _module(pkg: str, name: str):
     """A module of `pkg` by its name in the layered package (batching/), or in a flat one (an older checkout:
-    the buckets then live in step.py, `bucket` in batch.py)."""
+    the buckets then live in its step module, `bucket` in its batch module)."""
     try:
         return importlib.import_module(f"{pkg}.batching.{name}")
     except ModuleNotFoundError:
