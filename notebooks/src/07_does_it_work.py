@@ -334,7 +334,7 @@ def weight_name(node):
 
 
 def layer0_linear_calls(gm):
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in siblings._LINEAR]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in siblings.LINEAR_TARGETS]
     first = [n for n in calls if "layers_modules_0_" in str(n.args[1].args[0] if n.args[1].target is torch.as_strided
                                                              else n.args[1])]
     return len(calls), [weight_name(n.args[1]) for n in first]
