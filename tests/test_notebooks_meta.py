@@ -24,7 +24,7 @@ CHAPTER = {
     "minibatch.batching.sampling": 1, "minibatch.engine.sync_loop": 1, "minibatch.timeline": 1,
     "minibatch.devices": 2, "minibatch.devices.base": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_process": 2,
     "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2,
-    "minibatch.devices.cuda": 2,
+    "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.devices.limits": 2,
     "minibatch.batching.slots": 4, "minibatch.batching.buckets": 4, "minibatch.runner": 4, "minibatch.runner.launch": 4,
     "minibatch.runner.graphs": 4, "minibatch.runner.compiled": 4,
     "minibatch.batching.carry_over": 5,
