@@ -117,9 +117,9 @@ def work(prompt):
     return out, [str(w.message) for w in seen]
 
 if __name__ == "__main__":
-    alone = minibatch.generate(minibatch.load_model("tiny"), [[1, 2, 3]], max_new_tokens=3)
     with multiprocessing.get_context("fork").Pool(1) as pool:
         out, seen = pool.map(work, [[1, 2, 3]])[0]
+    alone = minibatch.generate(minibatch.load_model("tiny"), [[1, 2, 3]], max_new_tokens=3)
     print(out == alone, any("daemonic" in s for s in seen), flush=True)
 """
 

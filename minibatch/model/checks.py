@@ -14,6 +14,7 @@ from ..args import DTYPES, INT64_MAX, _int, resolve_device
 from ..devices.limits import host_bytes_free
 
 MEMORY_FRACTION = 0.9  # of the free memory a model's weights may take
+_SERIAL = 16384  # elements: below torch's grain size for parallel CPU ops (32768)
 
 
 def check_load(name_or_model: Any, device: Any, dtype: Any, seed: Any,
@@ -127,8 +128,12 @@ def check_config_size(config, dtype: torch.dtype, device: torch.device, path: st
 
 def check_finite(hf, name: str) -> None:
     """Warn about weights that hold NaN or inf: the logits would be NaN, and every sampled token 0."""
+    # on the CPU only the first elements of each weight: an op below torch's grain size runs on this thread,
+    # and a first parallel region (GNU OpenMP's thread team) in this process would break torch in any later
+    # fork of it (a multiprocessing worker hangs or fails at its own first parallel op). Enough for weights
+    # that are NaN throughout, as a broken conversion leaves them.
     with torch.no_grad():
-        flags = [torch.isfinite(p).all() for p in hf.parameters()]
+        flags = [torch.isfinite(p if p.is_cuda else p.reshape(-1)[:_SERIAL]).all() for p in hf.parameters()]
         ok = torch.stack(flags).tolist() if flags else []  # one transfer, not one per parameter
     bad = [n for (n, _), good in zip(hf.named_parameters(), ok) if not good]
     if bad:
