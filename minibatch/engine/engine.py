@@ -47,6 +47,7 @@ from ..model.model import Model
 from ..runner.compiled import CompiledStep
 from ..runner.graphs import StepRunner
 from ..args import _int
+from ..compat import tensor_version
 from ..timeline import Timeline
 from .async_loop import async_step
 from .checks import check_generate, check_request
@@ -371,7 +372,7 @@ class Engine:
             from ..runner import siblings
 
             siblings.pack(model.hf)  # weights that moved are stacked again, as compiled steps expect
-        seen = tuple((p.data_ptr(), _version(p)) for p in model.hf.parameters())
+        seen = tuple((p.data_ptr(), tensor_version(p)) for p in model.hf.parameters())
         if self._weights_seen is not None and seen != self._weights_seen:
             self.close()  # the next _device() opens a fresh one
         self._weights_seen = seen
@@ -403,13 +404,6 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<Engine {self.model.name!r} on {self.model.device}, {len(self.kept)} kept shape(s)>"
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # a tensor made under inference_mode keeps no version counter
-        return -1
 
 
 @contextmanager

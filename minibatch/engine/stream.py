@@ -153,9 +153,18 @@ class Stream:
         with self._cond:
             if not self._cond.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.rid} has not finished after {timeout} s")
+        self._raise_error()
+        return self
+
+    def _raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"request {self.rid}: the engine failed") from self.error
-        return self
+
+    def _checked(self, chunk: Chunk) -> Chunk:
+        """A chunk for a reader; the last one of a request whose engine failed raises its error instead."""
+        if chunk.finish_reason is not None:
+            self._raise_error()
+        return chunk
 
     def __iter__(self):
         i = 0
@@ -164,9 +173,7 @@ class Stream:
                 self._cond.wait_for(lambda: i < len(self._chunks))
                 chunk = self._chunks[i]
             i += 1
-            if chunk.finish_reason is not None and self.error is not None:
-                raise RuntimeError(f"request {self.rid}: the engine failed") from self.error
-            yield chunk
+            yield self._checked(chunk)
             if chunk.finish_reason is not None:
                 return
 
@@ -183,9 +190,7 @@ class Stream:
                 continue
             chunk = self._chunks[i]
             i += 1
-            if chunk.finish_reason is not None and self.error is not None:
-                raise RuntimeError(f"request {self.rid}: the engine failed") from self.error
-            yield chunk
+            yield self._checked(chunk)
             if chunk.finish_reason is not None:
                 return
 
