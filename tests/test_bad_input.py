@@ -327,7 +327,8 @@ CLI_CASES = [
     (["demo", "--out", "/dev/null/x"], "--out '/dev/null/x' cannot be written"),
     (["bench", "--out", "/dev/null/x", "--device", "cpu"], "--out '/dev/null/x' cannot be written"),
     (["bench", "--device", "tpu"], "unknown device 'tpu'"),
-    (["bench", "--hf-modes", "sync_eager"], "--hf-modes picks transformers' modes: it needs --hf"),
+    (["bench", "--hf-memory", "0.5"], "--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES"),
+    (["bench", "--hf", "--hf-memory", "0.5"], "it needs --hf MODES"),
     (["bench", "--model", "random-llama", "--device", "cpu", "--max-batch-tokens", str(10**11),
       "--max-batch-size", str(10**11)], "Lower max_batch_tokens"),
 ]

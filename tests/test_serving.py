@@ -285,7 +285,8 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
         cli.main(common + ["--rates", "20,inf", "--num-prompts", "8", "--label", "text", "--slo", "ttft=60000,tpot=60000"])
     assert e.value.code == 0, capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        cli.main(common + ["--rates", "inf", "--num-prompts", "4", "--label", "ids", "--token-prompts"])
+        cli.main(common + ["--rates", "inf", "--num-prompts", "4", "--label", "ids", "--token-prompts",
+                           "--processes", "2"])  # two client processes share the four requests
     assert e.value.code == 0, capsys.readouterr()
     data = json.loads((tmp_path / "bench_serve.json").read_text())
     assert set(data["runs"]) == {"text", "ids"} and (tmp_path / "bench_serve.png").stat().st_size > 0
@@ -293,6 +294,9 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
     assert set(text) == {"20", "inf"} and text["inf"]["completed"] == 8 and text["inf"]["failed"] == 0
     assert 24 <= text["inf"]["mean_prompt_tokens"] <= 40  # about --prompt-len, as the server counted them
     assert ids["inf"]["mean_prompt_tokens"] == 32 and ids["inf"]["completed"] == 4
+    assert data["runs"]["ids"]["config"]["processes"] == 2
+    for r in (text["inf"], ids["inf"]):  # the client's own CPU share: some, and at most all of one core
+        assert 0 < r["client_cpu"] <= 1.05
     s = text["20"]
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["e2e_ms"]["p50"]
     assert s["goodput"] == pytest.approx(s["request_throughput"])  # every request met a 60 s target

@@ -98,7 +98,8 @@ def format_row(rate: float, s: dict) -> str:
             f"TTFT p50/p99 {s['ttft_ms']['p50']:.1f}/{s['ttft_ms']['p99']:.1f} ms  "
             f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms  ITL p50/p99 {s['itl_ms']['p50']:.2f}/{s['itl_ms']['p99']:.2f} ms  "
             f"e2e p50 {s['e2e_ms']['p50']:.0f} ms  {s['request_throughput']:.2f} req/s  "
-            f"{s['output_throughput']:.1f} tok/s{g}")
+            f"{s['output_throughput']:.1f} tok/s{g}"
+            + (f"  client CPU {s['client_cpu']:.0%}" if "client_cpu" in s else ""))
 
 
 def save(out: Path, label: str, run: dict) -> dict:

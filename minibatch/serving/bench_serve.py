@@ -17,6 +17,12 @@ does). Every request asks for `max_tokens`; an EOS may end it sooner (`ignore_eo
 output tokens are counted from the server's `usage` (streamed with `stream_options.include_usage`
 where the server supports it, else one token per streamed chunk).
 
+A client measures itself too: it reads each chunk when its event loop gets to it, so a client whose
+one Python thread is busy parsing other streams' chunks reads two chunks of a stream together and
+reports a near-zero gap between them. Each rate reports the client's CPU share (`client_cpu`, the
+busiest process's CPU time over the wall time) and warns above 90%; `--processes P` spreads the
+requests over P client processes (spawned, each with its own client, all on one monotonic clock).
+
 Notebook 08 runs it against `serve` in the sync and the async mode.
 """
 
@@ -129,35 +135,112 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) ->
     return times
 
 
+def _client(url: str, timeout: float):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+async def _send_all(client, opts: dict, model: str, prompts: list, jobs: list, start: float, usage: bool,
+                    tick) -> list:
+    """Send request i at `start + at` (time.monotonic, one clock for every process) for each (i, at) in jobs."""
+    limit = asyncio.Semaphore(opts["max_concurrency"] or len(jobs) or 1)
+
+    async def send(i: int, at: float):
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        async with limit:
+            r = await one_request(client, model, prompts[i], opts["max_tokens"], opts["temperature"],
+                                  opts["seed"] + i, opts["endpoint"] == "chat", usage)
+        tick()
+        return i, r
+
+    return await asyncio.gather(*(send(i, at) for i, at in jobs))
+
+
+def _client_process(url, timeout, opts, model, prompts, jobs, usage, ready, go, start, queue) -> None:
+    """One of --processes clients: its share of the requests, on the parent's clock; results to `queue`."""
+    async def run():
+        client = _client(url, timeout)  # imports openai: before the start, so in no request's latency
+        ready.wait()
+        go.wait()
+        cpu = time.process_time()
+        try:
+            got = await _send_all(client, opts, model, prompts, jobs, start.value, usage,
+                                  lambda: queue.put(("tick", None)))
+        finally:
+            await client.close()
+        return got, time.process_time() - cpu
+
+    try:
+        queue.put(("done", asyncio.run(run())))
+    except BaseException as e:  # noqa: BLE001 - the parent must hear of it rather than wait
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar) -> tuple[list, float, float]:
+    """Spread the requests over args.processes client processes -> (results, wall seconds, busiest CPU share)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no threads or event loop inherited
+    n = args.processes
+    ready, go, start, queue = ctx.Barrier(n + 1), ctx.Barrier(n + 1), ctx.Value("d", 0.0), ctx.Queue()
+    opts = _opts(args)
+    if opts["max_concurrency"]:
+        opts["max_concurrency"] = max(1, math.ceil(opts["max_concurrency"] / n))  # split the cap between them
+    procs = [ctx.Process(target=_client_process, daemon=True,
+                         args=(args.url, args.timeout, opts, model, prompts, jobs[k::n], usage, ready, go, start,
+                               queue)) for k in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        ready.wait(timeout=120)
+        start.value = time.monotonic() + 0.05  # every process reads it after the second barrier
+        go.wait(timeout=10)
+        results, cpu, done = [], 0.0, 0
+        while done < n:
+            kind, value = queue.get(timeout=args.timeout + 60)
+            if kind == "tick":
+                bar.update(1)
+            elif kind == "error":
+                raise RuntimeError(f"a client process failed: {value}")
+            else:
+                results += value[0]
+                cpu, done = max(cpu, value[1]), done + 1
+        duration = time.monotonic() - start.value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return results, duration, cpu / duration
+
+
+def _opts(args) -> dict:
+    return {k: getattr(args, k) for k in ("max_tokens", "temperature", "seed", "endpoint", "max_concurrency")}
+
+
 async def run_rate(client, args, model: str, prompts: list, rate: float, usage: bool) -> dict:
-    """All prompts at one rate -> bench_report.summarize's numbers."""
+    """All prompts at one rate -> bench_report.summarize's numbers, with the client's own CPU share."""
     from tqdm.auto import tqdm
 
-    rng = random.Random(args.seed)
-    times = arrival_times(len(prompts), rate, args.burstiness, rng)
-    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    times = arrival_times(len(prompts), rate, args.burstiness, random.Random(args.seed))
+    jobs = list(enumerate(times))
     bar = tqdm(total=len(prompts), desc=f"rate {bench_report.rate_key(rate)}", disable=args.no_progress)
-
-    async def send(i: int, at: float) -> RequestResult:
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        async with limit:
-            r = await one_request(client, model, prompts[i], args.max_tokens, args.temperature, args.seed + i,
-                                  args.endpoint == "chat", usage)
-        bar.update(1)
-        return r
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(send(i, t) for i, t in enumerate(times)))
-    duration = time.perf_counter() - start
+    if args.processes > 1:
+        results, duration, busy = await asyncio.to_thread(_in_processes, args, model, prompts, jobs, usage, bar)
+    else:
+        cpu, start = time.process_time(), time.monotonic()
+        results = await _send_all(client, _opts(args), model, prompts, jobs, start, usage, lambda: bar.update(1))
+        duration = time.monotonic() - start
+        busy = (time.process_time() - cpu) / duration
     bar.close()
-    return bench_report.summarize(results, duration, args.slo)
+    s = bench_report.summarize([r for _, r in sorted(results, key=lambda x: x[0])], duration, args.slo)
+    s["client_cpu"] = busy
+    return s
 
 
 async def _run(args) -> dict:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0,
-                                timeout=args.timeout)
+    client = _client(args.url, args.timeout)
     try:
         model = args.model or (await client.models.list()).data[0].id
         chat = args.endpoint == "chat"
@@ -168,12 +251,16 @@ async def _run(args) -> dict:
         for rate in args.rates:
             rates[bench_report.rate_key(rate)] = s = await run_rate(client, args, model, prompts, rate, usage)
             print(bench_report.format_row(rate, s), flush=True)
+            if s["client_cpu"] > 0.9:
+                print(f"  warning: the client was busy {s['client_cpu']:.0%} of the run, so its own queueing is in "
+                      "these latencies (chunks read late arrive together): spread it with --processes", flush=True)
             for e in s["errors"]:
                 print(f"  failed: {e}", flush=True)
     finally:
         await client.close()
     config = {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "burstiness",
-                                            "max_concurrency", "temperature", "seed", "endpoint", "token_prompts")}
+                                            "max_concurrency", "temperature", "seed", "endpoint", "token_prompts",
+                                            "processes")}
     return {"url": args.url, "model": model, "config": {**config, "slo_ms": args.slo, "usage_streamed": usage},
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates}
 

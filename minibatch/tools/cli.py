@@ -329,6 +329,9 @@ def _add_serving(sub) -> None:
     b.add_argument("--burstiness", type=_float(0.0, low_open=True), default=1.0,
                    help="gamma shape of the gaps: 1 is Poisson, lower is burstier")
     b.add_argument("--max-concurrency", type=_int(1), default=None)
+    b.add_argument("--processes", type=_int(1), default=1,
+                   help="client processes sharing the requests (one Python client saturates at a few thousand "
+                        "chunks per second; each rate prints the client's CPU share)")
     b.add_argument("--slo", type=_slo, default={}, help="latency targets for goodput, e.g. ttft=500,tpot=50 (ms)")
     b.add_argument("--temperature", type=_float(0.0, 2.0), default=0.0)
     b.add_argument("--seed", type=_int(0), default=0)
@@ -390,8 +393,8 @@ def main(argv=None) -> None:
     b.set_defaults(func=bench_cmd)
     _add_serving(sub)
     args = p.parse_args(argv)
-    if args.cmd == "bench" and not args.hf and (args.hf_modes or args.hf_all):  # else silently not run
-        p.error(f"{'--hf-modes' if args.hf_modes else '--hf-all'} picks transformers' modes: it needs --hf")
+    if args.cmd == "bench" and args.hf_memory is not None and args.hf in (None, ["default"]):  # else silently unused
+        p.error("--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES (e.g. --hf all)")
     from ..devices import DeviceError
 
     try:
