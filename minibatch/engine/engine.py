@@ -292,13 +292,17 @@ class Engine:
         return loop.submit(request, Stream(request.rid, len(a.prompt)), self.model.tokenizer, a.stop)
 
     def stats(self) -> dict:
-        """The serving run's KV blocks and requests right now (a snapshot, read without stopping the loop)."""
+        """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
+        without stopping the loop). A graph is captured the first time a step shape comes up: captures
+        that keep growing under load are steps that ran slower than a replay would."""
         if self.loop is None:
             return {"serving": False}
-        s = self.loop.run.scheduler
-        return {"serving": True, "mode": self.loop.run.mode, "kv_blocks": s.allocator.num_blocks,
+        run = self.loop.run
+        s = run.scheduler
+        return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
                 "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
-                "waiting": len(s.waiting) + len(self.loop.inbox)}
+                "waiting": len(s.waiting) + len(self.loop.inbox), "steps": s.step,
+                "graph_captures": len(run.runner.captures)}
 
     @contextmanager
     def _exclusive(self):

@@ -190,6 +190,7 @@ def create_app(state: ServerState):
                 yield
             finally:
                 state.cancel_all()
+                print(f"minibatch: stopping; {engine.stats()}", file=sys.stderr, flush=True)
                 state.engine = None
 
     app = FastAPI(title="minibatch", lifespan=lifespan)

@@ -8,10 +8,16 @@
 # 2. our server from that folder, sync, async, async --compile (cold: an empty TORCHINDUCTOR_CACHE_DIR),
 #    async --compile again (warm: the same cache); the time from `serve` to a ready /health of each;
 # 3. bench-serve against each (sync, async: 4 rates; compile: rate inf), 64 prompts of 256 tokens, 256 new
-#    tokens, greedy; the offline engine (`bench`) on the same workload, for the rate-inf comparison;
+#    tokens, greedy, the requests spread over CLIENTS client processes (default 4); once more against async
+#    with one client process at the two highest rates, to show what a saturated client does to ITL; the
+#    offline engine (`bench`) on the same workload, for the rate-inf comparison;
 # 4. `transformers serve --continuous-batching` on the same folder, in its own process, driven by the same
 #    bench-serve (completions, else chat); if it cannot run, its log says why.
-# Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each.
+# PARTS picks steps 2-4 (default: "sync async oneclient offline compile transformers"), so the work can be
+# split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and reused).
+# Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
+# after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
+# server process over that bench (server-cpu.tsv).
 # Needs: a CUDA GPU with ~60 GB free, ~20 GB of disk, fastapi, uvicorn and openai (wheels: set WHEELS=DIR to
 # install them from there without a network); about 8 minutes. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
 # COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu NUM_PROMPTS=8 LEN=32 COMPILE=0).
@@ -23,7 +29,10 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
 rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
-if [ -n "${WHEELS:-}" ]; then pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai; fi
+parts=" ${PARTS:-sync async oneclient offline compile transformers} "; clients=${CLIENTS:-4}
+want() { [[ $parts == *" $1 "* ]]; }
+if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
+  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
 python3 -c "import fastapi, uvicorn, openai" || { echo "needs fastapi, uvicorn and openai (set WHEELS=DIR)"; exit 1; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/versions.txt"
@@ -35,7 +44,21 @@ dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)
 limits=(--max-batch-size "$n" --max-batch-tokens 2048)
 bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len"
        --slo ttft=1000,tpot=50 --out "$out" --no-progress)
-printf 'label\tseconds_to_ready_health\n' > "$out/startup.tsv"
+[ -f "$out/startup.tsv" ] || printf 'label\tseconds_to_ready_health\n' > "$out/startup.tsv"
+[ -f "$out/server-cpu.tsv" ] || printf 'label\twall_s\tmain_thread_cpu_s\tprocess_cpu_s\n' > "$out/server-cpu.tsv"
+cpu_s() {  # cpu_s FILE: utime + stime of a /proc stat file, in seconds
+  awk -v hz="$(getconf CLK_TCK)" '{sub(/.*\) /, ""); print ($12 + $13) / hz}' "$1" 2>/dev/null || echo 0
+}
+measured() {  # measured LABEL COMMAND...: run a bench, then record the server's CPU over it
+  local label=$1; shift
+  local t0=$EPOCHREALTIME m0 p0
+  m0=$(cpu_s "/proc/$pid/task/$pid/stat"); p0=$(cpu_s "/proc/$pid/stat")
+  "$@"; local rc=$?
+  awk -v l="$label" -v a="$t0" -v b="$EPOCHREALTIME" -v m0="$m0" -v m1="$(cpu_s "/proc/$pid/task/$pid/stat")" \
+    -v p0="$p0" -v p1="$(cpu_s "/proc/$pid/stat")" 'BEGIN{printf "%s\t%.1f\t%.1f\t%.1f\n", l, b - a, m1 - m0, p1 - p0}' \
+    | tee -a "$out/server-cpu.tsv"
+  return $rc
+}
 
 start() {  # start LABEL COMMAND...: run the server in the background, wait for /health (10 min at most)
   local label=$1; shift
@@ -58,41 +81,45 @@ stop() {  # SIGTERM, then the time it took to exit
   kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
 }
+sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
+  local label=$1 r=$2; shift 2
+  measured "$label" python3 -m minibatch bench-serve "${bench[@]}" --rates "$r" --label "$label" "$@" \
+    > "$out/bench-$label.log" 2>&1; grep -E "^rate|failed|warning" "$out/bench-$label.log" || true
+}
 ours() {  # ours LABEL RATES SERVE-FLAGS...
   local label=$1 r=$2; shift 2
   echo "== $label ($(date -u +%H:%M:%S))"
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
     || return 1
-  [ "$r" = none ] || python3 -m minibatch bench-serve "${bench[@]}" --rates "$r" --label "$label" \
-    > "$out/bench-$label.log" 2>&1; tail -n +1 "$out/bench-$label.log" | grep -E "^rate|failed" || true
+  [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
+  if [ "$label" = async ] && want oneclient; then  # the same server, one client process at the highest rates
+    sends async-1client "${rates##*,}" --processes 1; fi
   stop
 }
 
-if [ "${OURS:-1}" = 1 ]; then  # OURS=0 / TF=0 run only one side (two device calls of a few minutes each)
-ours sync "$rates" --mode sync
-ours async "$rates" --mode async
-fi
-if [ "${OURS:-1}" = 1 ] && [ "${COMPILE:-1}" = 1 ]; then
+want sync && ours sync "$rates" --mode sync
+want async && ours async "$rates" --mode async
+if want compile && [ "${COMPILE:-1}" = 1 ]; then
   export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
   ours async+compile inf --mode async --compile   # cold: compiles everything
   ours async+compile-warm none --mode async --compile  # warm: the same on-disk caches, start-up only
 fi
 
-if [ "${OURS:-1}" = 1 ]; then
+if want offline; then
 echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
 python3 -m minibatch bench --model "$folder" --device "$device" --modes sync,async --num-prompts "$n" \
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
 fi
-[ "${TF:-1}" = 1 ] || { cat "$out/startup.tsv"; exit 0; }
+want transformers || { cat "$out/startup.tsv"; exit 0; }
 
 echo "== transformers serve --continuous-batching ($(date -u +%H:%M:%S))"
 tf=(transformers serve "$folder" --continuous-batching --host 127.0.0.1 --port "$port" --device "$device")
 if start transformers "${tf[@]}"; then
   for endpoint in completions chat; do
-    timeout 300 python3 -m minibatch bench-serve "${bench[@]}" --rates "${TF_RATES:-$rates}" --model "$folder" \
-      --endpoint "$endpoint" \
+    measured transformers timeout 420 python3 -m minibatch bench-serve "${bench[@]}" --rates "${TF_RATES:-$rates}" \
+      --model "$folder" --endpoint "$endpoint" --processes "$clients" \
       --label transformers > "$out/bench-transformers-$endpoint.log" 2>&1 && break
     echo "transformers serve: bench-serve on $endpoint failed:"; grep -E "failed|error" \
       "$out/bench-transformers-$endpoint.log" | head -3
