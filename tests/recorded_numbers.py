@@ -97,8 +97,28 @@ def profile() -> dict:
     return {"timeline_busy_pct": timeline, "kernels_busy_pct": kernels, "kernels_idle_pct": 100 - kernels}
 
 
+def serving() -> dict:
+    """Our server against transformers serve over HTTP, and against the offline engine (H200, 8B folder)."""
+    run = "runs/gpu_serving_2026-12-01/"
+    http = json.loads((DATA / run / "bench_serve.json").read_text())["runs"]
+    ours, warm, theirs = http["async"]["rates"], http["async-1client"]["rates"], http["transformers"]["rates"]
+    offline = _bench(run + "offline_bench.json")["async"]
+    shared = [k for k in theirs if k in ours]
+    return {"ours_inf_tok_s": ours["inf"]["output_throughput"], "ours_inf_again_tok_s": warm["inf"]["output_throughput"],
+            "tf_inf_tok_s": theirs["inf"]["output_throughput"],
+            "speedup_inf": ours["inf"]["output_throughput"] / theirs["inf"]["output_throughput"],
+            "ours_itl_p50_max_ms": max(ours[k]["itl_ms"]["p50"] for k in ours),
+            "tf_itl_p50_min_ms": min(theirs[k]["itl_ms"]["p50"] for k in theirs),
+            "ours_ttft_p50_16_ms": ours["16"]["ttft_ms"]["p50"], "tf_ttft_p50_16_ms": theirs["16"]["ttft_ms"]["p50"],
+            "itl_ratio_min": min(theirs[k]["itl_ms"]["p50"] / ours[k]["itl_ms"]["p50"] for k in shared),
+            "offline_async_tok_s": offline["tokens_per_s"], "offline_period_ms": offline["decode_period_ms"],
+            "server_over_offline": ours["inf"]["output_throughput"] / offline["tokens_per_s"],
+            "server_over_offline_again": warm["inf"]["output_throughput"] / offline["tokens_per_s"]}
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
-            "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile}
+            "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
+            "serving": serving}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -108,7 +128,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "sweep": ["figures/data/gpu_sweep_2026-12-01.json"],
            "floor_matrix": ["figures/data/runs/gpu_merged_projections_2026-12-01/floor_matrix_batches_1_32.json",
                             "figures/data/runs/gpu_merged_projections_2026-12-01/floor_matrix_batches_8_128.json"],
-           "profile": ["figures/data/gpu_profile_async_8b.txt"]}
+           "profile": ["figures/data/gpu_profile_async_8b.txt"],
+           "serving": ["figures/data/runs/gpu_serving_2026-12-01/bench_serve.json",
+                       "figures/data/runs/gpu_serving_2026-12-01/offline_bench.json"]}
 
 
 def derive() -> dict:
