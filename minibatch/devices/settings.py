@@ -45,10 +45,16 @@ TORCH_THREADS = ProcessSetting(torch.get_num_threads, torch.set_num_threads)
 
 
 def _after_fork_in_child() -> None:
-    """A fork of a process with devices open has none of them: what they held goes back to what it was."""
+    """A fork of a process with devices open has none of them: what they held goes back to what it was.
+
+    Setting torch's thread count also rebuilds its intra-op thread pool here, on the one thread a fork
+    leaves: torch replaces a pool inherited through fork the first time one is asked for, and when
+    several threads ask at once (transformers loads weights from a thread pool) one of them can find no
+    pool at all ("Invalid thread pool!")."""
     for setting in (SWITCH, TORCH_THREADS):
         if setting._holders:
             setting._set(setting._saved)
+    torch.set_num_threads(torch.get_num_threads())
     start_afresh()
 
 
