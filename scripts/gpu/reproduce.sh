@@ -22,12 +22,15 @@
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
 #   host       the host's work per decode step on this machine's CPU (scripts/host_cost.py)
-# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 40 minutes for everything
+#   online     requests arriving as a Poisson process at the engine, sync against async (scripts/online_bench.py)
+#   serving    the HTTP server against transformers serve and the offline engine (serve_bench.sh; needs fastapi,
+#              uvicorn, openai, and rich + accelerate for transformers serve: WHEELS=DIR installs them offline)
+# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 55 minutes for everything
 # (the sweep alone ~10: split it with sweep.py's --models where a run has a time limit).
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile floor prefill kernels linear triton profile sweep host}
+sections=${*:-tests headline eager arrivals compile floor prefill kernels linear triton profile sweep host online serving}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -67,6 +70,10 @@ for s in $sections; do
            tail -26 "$out/$s/sweep.log" ;;
     host) python3 scripts/host_cost.py "$out/$s" --rows 32,128 --context 1024 > "$out/$s/host.log" 2>&1
           tail -12 "$out/$s/host.log" ;;
+    online) python3 scripts/online_bench.py "$out/$s" --model llama3-8b-shape --device cuda --rates 4,8,16,inf \
+              --num-prompts 64 --prompt-len 256 --max-new-tokens 256 --max-batch-size 32 > "$out/$s/online.log" 2>&1
+            tail -10 "$out/$s/online.log" ;;
+    serving) bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/serving.log" 2>&1; tail -30 "$out/$s/serving.log" ;;
     *) echo "unknown section $s" >&2; exit 2 ;;
   esac
 done
