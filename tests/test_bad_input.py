@@ -329,6 +329,8 @@ CLI_CASES = [
     (["bench", "--device", "tpu"], "unknown device 'tpu'"),
     (["bench", "--hf-memory", "0.5"], "--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES"),
     (["bench", "--hf", "--hf-memory", "0.5"], "it needs --hf MODES"),
+    (["serve", "--device", "cpu", "--cuda-graphs", "decode"], "--cuda-graphs decode needs a CUDA model"),
+    (["serve", "--device", "cpu", "--compile"], "--compile needs a CUDA model; this model is on cpu"),
     (["bench", "--model", "random-llama", "--device", "cpu", "--max-batch-tokens", str(10**11),
       "--max-batch-size", str(10**11)], "Lower max_batch_tokens"),
 ]

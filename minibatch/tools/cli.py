@@ -204,7 +204,7 @@ def bench_cmd(args) -> None:
                     cuda_graphs=args.cuda_graphs, decode_attention=model.decode_attention,
                     decode_kv_bucket=model.decode_kv_bucket)
     kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-              progress=not args.no_progress, cuda_graphs={"auto": None, "on": True, "off": False, "decode": "decode"}[args.cuda_graphs])
+              progress=not args.no_progress, cuda_graphs=_GRAPHS[args.cuda_graphs])
     if args.arrivals:  # prompt i reaches the server at step i * arrivals / n: prefill steps all along the run
         kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
         workload["arrivals"] = args.arrivals
@@ -276,15 +276,21 @@ def _slo(arg: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_GRAPHS = {"auto": None, "on": True, "off": False, "decode": "decode"}  # --cuda-graphs -> generate's cuda_graphs
+
+
 def serve_cmd(args) -> None:
     from ..model.model import load_model
     from ..serving.server import serve
 
     model = load_model(args.model, device=args.device, dtype=args.dtype)
+    if model.device.type != "cuda" and (args.compile or args.cuda_graphs in ("on", "decode")):
+        raise ValueError(f"{'--compile' if args.compile else '--cuda-graphs ' + args.cuda_graphs} needs a CUDA "
+                         f"model; this model is on {model.device}")
     code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                 compile=args.compile)
+                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()
@@ -312,6 +318,9 @@ def _add_serving(sub) -> None:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     s.add_argument("--compile", action="store_true", help="decode steps through torch.compile (CUDA)")
+    s.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
+                   help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only, so prefill and "
+                        "mixed steps of new shapes run eagerly instead of being captured while requests wait)")
     s.add_argument("--max-batch-size", type=_int(1), default=32)
     s.add_argument("--max-batch-tokens", type=_int(1), default=512)
     s.add_argument("--block-size", type=_int(1), default=16)

@@ -13,8 +13,10 @@
 #    offline engine (`bench`) on the same workload, for the rate-inf comparison;
 # 4. `transformers serve --continuous-batching` on the same folder, in its own process, driven by the same
 #    bench-serve (completions, else chat); if it cannot run, its log says why.
-# PARTS picks steps 2-4 (default: "sync async oneclient offline compile transformers"), so the work can be
-# split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and reused).
+# PARTS picks steps 2-4 (default: "sync async oneclient decodegraphs offline compile transformers"; decodegraphs:
+# async with --cuda-graphs decode, prefill and mixed steps eager, against graphs captured lazily for every shape),
+# so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
+# reused). Each server's log ends with its steps and CUDA graph captures.
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
@@ -29,7 +31,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
 rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
-parts=" ${PARTS:-sync async oneclient offline compile transformers} "; clients=${CLIENTS:-4}
+parts=" ${PARTS:-sync async oneclient decodegraphs offline compile transformers} "; clients=${CLIENTS:-4}
 want() { [[ $parts == *" $1 "* ]]; }
 if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
   python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
@@ -99,6 +101,7 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
 
 want sync && ours sync "$rates" --mode sync
 want async && ours async "$rates" --mode async
+want decodegraphs && [ "$device" != cpu ] && ours async-decode-graphs "$rates" --mode async --cuda-graphs decode
 if want compile && [ "${COMPILE:-1}" = 1 ]; then
   export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
