@@ -342,3 +342,17 @@ def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast(servers):
         assert len(rest) < 450
     finally:
         small.stop()
+
+
+def test_a_client_process_that_fails_is_an_error_naming_it():
+    """--processes: a client process that fails before the start ends the run with its error, not a hang."""
+    import argparse
+
+    from tqdm.auto import tqdm
+
+    args = argparse.Namespace(processes=2, url=None, timeout=5.0, max_tokens=1, temperature=0.0, seed=0,
+                              endpoint="completions", max_concurrency=None)  # url None: each client fails
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="client process failed: AttributeError"):
+        bench_serve._in_processes(args, "tiny", ["hi", "ho"], [(0, 0.0), (1, 0.0)], False, tqdm(disable=True))
+    assert time.monotonic() - t0 < 60

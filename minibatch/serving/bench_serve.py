@@ -175,11 +175,15 @@ def _client_process(url, timeout, opts, model, prompts, jobs, usage, ready, go, 
         queue.put(("done", asyncio.run(run())))
     except BaseException as e:  # noqa: BLE001 - the parent must hear of it rather than wait
         queue.put(("error", f"{type(e).__name__}: {e}"))
+        ready.abort()  # a parent still waiting at a barrier stops waiting
+        go.abort()
 
 
 def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar) -> tuple[list, float, float]:
     """Spread the requests over args.processes client processes -> (results, wall seconds, busiest CPU share)."""
     import multiprocessing as mp
+    import queue as queues
+    import threading
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: no threads or event loop inherited
     n = args.processes
@@ -190,19 +194,37 @@ def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar)
     procs = [ctx.Process(target=_client_process, daemon=True,
                          args=(args.url, args.timeout, opts, model, prompts, jobs[k::n], usage, ready, go, start,
                                queue)) for k in range(n)]
+
+    def failed(why: str) -> RuntimeError:
+        try:
+            kind, value = queue.get(timeout=5)
+            if kind == "error":
+                why = value
+        except queues.Empty:
+            pass
+        return RuntimeError(f"a bench-serve client process failed: {why}")
+
     for p in procs:
         p.start()
     try:
-        ready.wait(timeout=120)
-        start.value = time.monotonic() + 0.05  # every process reads it after the second barrier
-        go.wait(timeout=10)
+        try:
+            ready.wait(timeout=120)
+            start.value = time.monotonic() + 0.05  # every process reads it after the second barrier
+            go.wait(timeout=10)
+        except threading.BrokenBarrierError:
+            raise failed("it did not start") from None
         results, cpu, done = [], 0.0, 0
         while done < n:
-            kind, value = queue.get(timeout=args.timeout + 60)
+            try:
+                kind, value = queue.get(timeout=1.0)
+            except queues.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):  # killed or crashed: it will never report
+                    raise failed(f"exit codes {[p.exitcode for p in procs]}") from None
+                continue
             if kind == "tick":
                 bar.update(1)
             elif kind == "error":
-                raise RuntimeError(f"a client process failed: {value}")
+                raise RuntimeError(f"a bench-serve client process failed: {value}")
             else:
                 results += value[0]
                 cpu, done = max(cpu, value[1]), done + 1
