@@ -313,15 +313,17 @@ fig.savefig(f"{FIGURES}/08_http_gpu.png", dpi=110)
 # is the offline engine's decode period, 9.0 <!-- from figures/data/headline.json: serving.offline_period_ms --> ms. The whole run is
 # slower than offline, though: 0.68 <!-- from figures/data/headline.json: serving.server_over_offline --> of the offline engine's
 # throughput on the same workload (0.80 <!-- from figures/data/headline.json: serving.server_over_offline_again --> when the same server ran
-# rate inf a second time). Requests arrive one by one rather than all in step 0, so their prefills
-# spread over more steps, and the first time a new step shape comes up it is captured as a CUDA
-# graph while requests wait (notebook 04).
+# rate inf a second time). Two things differ from the offline run, and which costs what is not
+# measured yet: requests arrive one by one rather than all in step 0, so their prefills spread over
+# more steps; and the first time a new step shape comes up, it is captured as a CUDA graph while
+# requests wait (notebook 04), where the offline benchmark captured its shapes in an untimed warm-up.
 #
 # Time to first token tells a different story: from 16 requests per second on, ours is the higher
 # (350 <!-- from figures/data/headline.json: serving.ours_ttft_p50_16_ms --> ms against 185 <!-- from figures/data/headline.json: serving.tf_ttft_p50_16_ms --> ms at 16/s). A request's first token needs its whole prefill, and prefills are
 # the steps whose shapes vary most, so they are the ones most often captured for the first time
-# while they run: the likely cause, not yet measured (the server now prints how many graphs it
-# captured when it stops). BENCHMARKS.md has every rate, sync against async, and the start-up times.
+# while they run. That is a hypothesis: the server prints its step count and graph captures when
+# it stops, and `serve --cuda-graphs decode` runs prefill and mixed steps without graphs, which is
+# how a run can test it. BENCHMARKS.md has every rate, sync against async, and the start-up times.
 #
 # ## Summary
 #
