@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -340,6 +341,9 @@ def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast(servers):
                 r.close()
         assert small.proc.returncode == 0 and took < 2.0, (small.proc.returncode, took, small.output())
         assert len(rest) < 450
+        stopped = re.search(r"minibatch: stopping; (\{.*\})", small.output())  # its last stats, steps counted
+        assert stopped and "'steps': 0," not in stopped.group(1) and "'graph_captures': 0" in stopped.group(1), \
+            small.output()
     finally:
         small.stop()
 
