@@ -21,7 +21,12 @@
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
 # Needs: a CUDA GPU with ~60 GB free, ~20 GB of disk, fastapi, uvicorn and openai (wheels: set WHEELS=DIR to
-# install them from there without a network); about 8 minutes. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
+# install them from there without a network; for a Python 3.12 machine, fetch them elsewhere with
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
+#       fastapi uvicorn "openai<3" "httpx<1" rich
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
+#       accelerate psutil
+# ); about 8 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
 # COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu NUM_PROMPTS=8 LEN=32 COMPILE=0).
 set -uo pipefail
 out=${1:?usage: serve_bench.sh OUTDIR}
