@@ -329,8 +329,10 @@ CLI_CASES = [
     (["bench", "--device", "tpu"], "unknown device 'tpu'"),
     (["bench", "--hf-memory", "0.5"], "--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES"),
     (["bench", "--hf", "--hf-memory", "0.5"], "it needs --hf MODES"),
-    (["serve", "--device", "cpu", "--cuda-graphs", "decode"], "--cuda-graphs decode needs a CUDA model"),
-    (["serve", "--device", "cpu", "--compile"], "--compile needs a CUDA model; this model is on cpu"),
+    (["serve", "--device", "cpu", "--cuda-graphs", "decode"], "cuda_graphs='decode' needs a CUDA model; this model is on cpu"),
+    (["serve", "--device", "cpu", "--compile"], "compile=True is for CUDA models; this model is on cpu"),
+    (["serve", "--device", "cpu", "--max-batch-size", "64", "--max-batch-tokens", "32"],
+     r"max_batch_tokens \(32\) must be >= max_batch_size \(64\)"),
     (["bench", "--model", "random-llama", "--device", "cpu", "--max-batch-tokens", str(10**11),
       "--max-batch-size", str(10**11)], "Lower max_batch_tokens"),
 ]

@@ -54,6 +54,20 @@ class RunConfig:
     inject_delays: dict = field(default_factory=dict)  # {"H2D" | "compute" | "D2H": seconds before each step}
 
 
+def serving_config(model, mode: str = "async", *, max_batch_size: Any = 8, max_batch_tokens: Any = 256,
+                   block_size: Any = 16, num_blocks: Any = None, reusable_bytes: int = 0, **limits) -> RunConfig:
+    """A serving run's RunConfig: sized once, for `max_batch_size` requests of the model's whole context
+    (or `num_blocks` KV blocks), and checked as make_config checks any run. `Engine.serving` opens its run
+    with it; a server calls it before it listens, so bad limits are refused before any client connects."""
+    max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
+    context = model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
+    if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
+        context = min(context, _int("num_blocks", num_blocks) * block_size)
+    return make_config(model, mode, [context] * max_batch_size, 1, max_batch_size=max_batch_size,
+                       max_batch_tokens=max_batch_tokens, block_size=block_size, num_blocks=num_blocks,
+                       reusable_bytes=reusable_bytes, **limits)
+
+
 def make_config(model, mode: str, lengths: list[int], max_new_tokens: int, *, max_batch_size: Any = None,
                 max_batch_tokens: Any = 256, block_size: Any = 16, num_blocks: Any = None, num_slots: Any = None,
                 cuda_graphs: Any = None, compile: Any = False, inject_delays: Any = None, timeout: Any = 600.0,

@@ -46,12 +46,11 @@ from ..devices.cpu_process import register_resident
 from ..model.model import Model
 from ..runner.compiled import CompiledStep
 from ..runner.graphs import StepRunner
-from ..args import _int
 from ..compat import tensor_version
 from ..timeline import Timeline
 from .async_loop import async_step
 from .checks import check_generate, check_request
-from .config import RunConfig, Shape, make_config
+from .config import RunConfig, Shape, make_config, serving_config
 from .serving import Loop
 from .stream import Stream
 from .sync_loop import sync_step
@@ -247,13 +246,9 @@ class Engine:
         QueueFull beyond it). Leaving the block ends every open stream ("cancelled") and joins the thread.
         Other `limits` are generate's (cuda_graphs, compile, num_slots, inject_delays, timeout).
         """
-        max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
-        context = self.model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
-        if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
-            context = min(context, _int("num_blocks", num_blocks) * block_size)
-        config = make_config(self.model, mode, [context] * max_batch_size, 1, max_batch_size=max_batch_size,
-                             max_batch_tokens=max_batch_tokens, block_size=block_size, num_blocks=num_blocks,
-                             reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()), **limits)
+        config = serving_config(self.model, mode, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                block_size=block_size, num_blocks=num_blocks,
+                                reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()), **limits)
         with self._exclusive():
             run = self._open(config, [], timeline if timeline is not None else Timeline(limit=100_000), None)
             self.loop = Loop(self, run, max_queue)

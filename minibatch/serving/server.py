@@ -231,7 +231,11 @@ def model_eos(model):
 
 
 def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, **serving) -> int:
-    """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed)."""
+    """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed).
+    Bad serving limits raise here, before the server listens (the engine checks them again as it opens)."""
+    from ..engine.config import serving_config
+
+    serving_config(model, **{k: v for k, v in serving.items() if k != "max_queue"})  # max_queue: the loop's own
     import uvicorn
 
     state = ServerState(model, name, model_eos(model), serving)

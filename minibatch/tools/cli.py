@@ -284,9 +284,6 @@ def serve_cmd(args) -> None:
     from ..serving.server import serve
 
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    if model.device.type != "cuda" and (args.compile or args.cuda_graphs in ("on", "decode")):
-        raise ValueError(f"{'--compile' if args.compile else '--cuda-graphs ' + args.cuda_graphs} needs a CUDA "
-                         f"model; this model is on {model.device}")
     code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
