@@ -17,28 +17,14 @@ import math
 import random
 import time
 
+from ..serving import bench_serve
+from ..serving.bench_report import percentile
+
 
 def arrival_times(n: int, rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
-    """Seconds after the start at which each of n requests arrives: gamma-distributed gaps with mean
-    1/rate (burstiness 1: exponential, a Poisson process); rate inf: all at 0."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between closest ranks; nan for no values."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+    """Seconds after the start at which each of n requests arrives: bench-serve's schedule (gamma gaps of
+    mean 1/rate, burstiness 1 a Poisson process; rate inf: all at 0), drawn from `seed`."""
+    return bench_serve.arrival_times(n, rate, burstiness, random.Random(seed))
 
 
 def run_arrivals(engine, prompts: list, rate: float, max_new_tokens: int, seed: int = 0,
