@@ -287,15 +287,18 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
     assert e.value.code == 0, capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         cli.main(common + ["--rates", "inf", "--num-prompts", "4", "--label", "ids", "--token-prompts",
-                           "--processes", "2"])  # two client processes share the four requests
-    assert e.value.code == 0, capsys.readouterr()
+                           "--processes", "2", "--warmup"])  # two client processes share the four requests
+    printed = capsys.readouterr()
+    assert e.value.code == 0, printed
+    assert "warm-up: 4 ok, 0 failed" in printed.out, printed  # the untimed pass ran first
     data = json.loads((tmp_path / "bench_serve.json").read_text())
     assert set(data["runs"]) == {"text", "ids"} and (tmp_path / "bench_serve.png").stat().st_size > 0
     text, ids = data["runs"]["text"]["rates"], data["runs"]["ids"]["rates"]
     assert set(text) == {"20", "inf"} and text["inf"]["completed"] == 8 and text["inf"]["failed"] == 0
     assert 24 <= text["inf"]["mean_prompt_tokens"] <= 40  # about --prompt-len, as the server counted them
     assert ids["inf"]["mean_prompt_tokens"] == 32 and ids["inf"]["completed"] == 4
-    assert data["runs"]["ids"]["config"]["processes"] == 2
+    assert data["runs"]["ids"]["config"]["processes"] == 2 and data["runs"]["ids"]["config"]["warmup"]
+    assert not data["runs"]["text"]["config"]["warmup"]
     for r in (text["inf"], ids["inf"]):  # the client's own CPU share: some, and at most all of one core
         assert 0 < r["client_cpu"] <= 1.05
     s = text["20"]

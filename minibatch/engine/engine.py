@@ -289,7 +289,8 @@ class Engine:
     def stats(self) -> dict:
         """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
         without stopping the loop). A graph is captured the first time a step shape comes up: captures
-        that keep growing under load are steps that ran slower than a replay would."""
+        that keep growing under load are steps that ran slower than a replay would, and
+        `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture)."""
         if self.loop is None:
             return {"serving": False}
         run = self.loop.run
@@ -297,7 +298,8 @@ class Engine:
         return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
                 "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
                 "waiting": len(s.waiting) + len(self.loop.inbox), "steps": s.step,
-                "graph_captures": len(run.runner.captures)}
+                "graph_captures": len(run.runner.captures),
+                "graph_capture_s": round(sum(c.get("seconds", 0.0) for c in run.runner.captures), 3)}
 
     @contextmanager
     def _exclusive(self):

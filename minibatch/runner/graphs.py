@@ -31,6 +31,8 @@ the capture.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..batching.batch import build_batch, pad_flat
@@ -82,8 +84,11 @@ class StepRunner:
         if graph is not None:
             graph.replay()
             return
+        t0 = time.perf_counter()
         forward_step(self.model, self.cache, args, self.compiled)  # warm-up run, eagerly
         graph = self.graphs[args.key] = self._capture(args)
+        # host time the capture held the loop: the warm-up step, the device drained, the capture itself
+        self.captures[-1]["seconds"] = time.perf_counter() - t0
         # the step's results come from the graph too, so that every graphed step uses the graph's
         # kernels (bf16 eager and graph kernels may round differently); running the step again is
         # harmless: it writes the same KV cells and outputs, and carry-over is out of place

@@ -23,6 +23,11 @@ reports a near-zero gap between them. Each rate reports the client's CPU share (
 busiest process's CPU time over the wall time) and warns above 90%; `--processes P` spreads the
 requests over P client processes (spawned, each with its own client, all on one monotonic clock).
 
+`--warmup` sends every prompt once, all at once and untimed, before the first rate: a server that
+captures CUDA graphs or compiles the first time a step shape comes up pays that there, so the rates
+measure a warm server, as `bench --warmup` measures a warm engine offline. Without it, the first rate
+includes those costs, as a server's first users would see them.
+
 Notebook 08 runs it against `serve` in the sync and the async mode.
 """
 
@@ -241,13 +246,13 @@ def _opts(args) -> dict:
     return {k: getattr(args, k) for k in ("max_tokens", "temperature", "seed", "endpoint", "max_concurrency")}
 
 
-async def run_rate(client, args, model: str, prompts: list, rate: float, usage: bool) -> dict:
+async def run_rate(client, args, model: str, prompts: list, rate: float, usage: bool, desc: str = "") -> dict:
     """All prompts at one rate -> bench_report.summarize's numbers, with the client's own CPU share."""
     from tqdm.auto import tqdm
 
     times = arrival_times(len(prompts), rate, args.burstiness, random.Random(args.seed))
     jobs = list(enumerate(times))
-    bar = tqdm(total=len(prompts), desc=f"rate {bench_report.rate_key(rate)}", disable=args.no_progress)
+    bar = tqdm(total=len(prompts), desc=desc or f"rate {bench_report.rate_key(rate)}", disable=args.no_progress)
     if args.processes > 1:
         results, duration, busy = await asyncio.to_thread(_in_processes, args, model, prompts, jobs, usage, bar)
     else:
@@ -269,6 +274,12 @@ async def _run(args) -> dict:
         usage = await supports_usage(client, model, chat)
         prompts = await make_prompts(client, model, args.num_prompts, args.prompt_len, args.token_prompts, chat,
                                      random.Random(args.seed))
+        if args.warmup:  # untimed, all at once, through the same client path as the measured rates
+            s = await run_rate(client, args, model, prompts, math.inf, usage, "warm-up")
+            print(f"warm-up: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s (untimed)",
+                  flush=True)
+            if s["failed"]:
+                raise RuntimeError(f"{s['failed']} warm-up requests failed, e.g. {s['errors'][0]}")
         rates = {}
         for rate in args.rates:
             rates[bench_report.rate_key(rate)] = s = await run_rate(client, args, model, prompts, rate, usage)
@@ -282,7 +293,7 @@ async def _run(args) -> dict:
         await client.close()
     config = {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "burstiness",
                                             "max_concurrency", "temperature", "seed", "endpoint", "token_prompts",
-                                            "processes")}
+                                            "processes", "warmup")}
     return {"url": args.url, "model": model, "config": {**config, "slo_ms": args.slo, "usage_streamed": usage},
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates}
 

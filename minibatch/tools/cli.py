@@ -344,6 +344,10 @@ def _add_serving(sub) -> None:
     b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     b.add_argument("--token-prompts", action="store_true", help="prompts as lists of exactly --prompt-len token ids")
     b.add_argument("--timeout", type=_float(0.0, low_open=True), default=600.0, help="seconds per request")
+    b.add_argument("--warmup", action="store_true",
+                   help="send every prompt once, all at once and untimed, before the first rate (what `bench "
+                        "--warmup` does offline: the server's first-time costs, such as CUDA graph captures, "
+                        "are then out of the numbers)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", required=True, help="folder for bench_serve.json and bench_serve.png")
     b.add_argument("--label", default=None, help="this run's name in the JSON and the figure (default: host:port)")

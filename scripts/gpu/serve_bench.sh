@@ -8,15 +8,17 @@
 # 2. our server from that folder, sync, async, async --compile (cold: an empty TORCHINDUCTOR_CACHE_DIR),
 #    async --compile again (warm: the same cache); the time from `serve` to a ready /health of each;
 # 3. bench-serve against each (sync, async: 4 rates; compile: rate inf), 64 prompts of 256 tokens, 256 new
-#    tokens, greedy, the requests spread over CLIENTS client processes (default 4); once more against async
-#    with one client process at the two highest rates, to show what a saturated client does to ITL; the
-#    offline engine (`bench`) on the same workload, for the rate-inf comparison;
+#    tokens, greedy, the requests spread over CLIENTS client processes (default 4); then, on the same server,
+#    rate inf once more after an untimed pass of the whole workload (`bench-serve --warmup`; label
+#    LABEL-warm), the warm server against the offline engine (`bench --warmup`) on the same workload;
 # 4. `transformers serve --continuous-batching` on the same folder, in its own process, driven by the same
 #    bench-serve (completions, else chat); if it cannot run, its log says why.
-# PARTS picks steps 2-4 (default: "sync async oneclient decodegraphs offline compile transformers"; decodegraphs:
-# async with --cuda-graphs decode, prefill and mixed steps eager, against graphs captured lazily for every shape),
+# PARTS picks steps 2-4 (default: "sync async warm decodegraphs offline compile transformers"; decodegraphs:
+# async with --cuda-graphs decode, prefill and mixed steps eager, against graphs captured lazily for every shape;
+# warm: the rate-inf rerun above; oneclient, not in the default: async at the highest rate from one client process),
 # so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
-# reused). Each server's log ends with its steps and CUDA graph captures.
+# reused). Each server's log ends with its steps, CUDA graph captures and the seconds they held its loop
+# (printed after each server stops).
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
@@ -36,7 +38,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
 rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
-parts=" ${PARTS:-sync async oneclient decodegraphs offline compile transformers} "; clients=${CLIENTS:-4}
+parts=" ${PARTS:-sync async warm decodegraphs offline compile transformers} "; clients=${CLIENTS:-4}
 want() { [[ $parts == *" $1 "* ]]; }
 if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
   python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
@@ -70,7 +72,8 @@ measured() {  # measured LABEL COMMAND...: run a bench, then record the server's
 start() {  # start LABEL COMMAND...: run the server in the background, wait for /health (10 min at most)
   local label=$1; shift
   local t0=$EPOCHREALTIME
-  "$@" > "$out/server-$label.log" 2>&1 &
+  log=$out/server-$label.log
+  "$@" > "$log" 2>&1 &
   pid=$!
   for _ in $(seq 6000); do
     if curl -sf "$url/health" > /dev/null 2>&1; then
@@ -78,15 +81,16 @@ start() {  # start LABEL COMMAND...: run the server in the background, wait for 
         | tee -a "$out/startup.tsv"
       return 0
     fi
-    kill -0 "$pid" 2>/dev/null || { echo "$label: the server exited:"; tail -5 "$out/server-$label.log"; return 1; }
+    kill -0 "$pid" 2>/dev/null || { echo "$label: the server exited:"; tail -5 "$log"; return 1; }
     sleep 0.1
   done
   echo "$label: no ready /health in 10 minutes"; stop; return 1
 }
-stop() {  # SIGTERM, then the time it took to exit
+stop() {  # SIGTERM, then the time it took to exit and the server's own stop line (steps, graph captures)
   local t0=$EPOCHREALTIME
   kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
+  grep -h "minibatch: stopping" "$log" 2>/dev/null || true
 }
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
   local label=$1 r=$2; shift 2
@@ -99,6 +103,8 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
     || return 1
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
+  if [ "$r" != none ] && [ "$r" != inf ] && want warm; then  # the same server: a warm pass, then rate inf
+    sends "$label-warm" inf --processes "$clients" --warmup; fi
   if [ "$label" = async ] && want oneclient; then  # the same server, one client process at the highest rates
     sends async-1client "${rates##*,}" --processes 1; fi
   stop
