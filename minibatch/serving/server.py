@@ -230,7 +230,8 @@ def model_eos(model):
     return getattr(gen, "eos_token_id", None)
 
 
-def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, **serving) -> int:
+def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch_interval_ms: float | None = None,
+          **serving) -> int:
     """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed).
     Bad serving limits raise here, before the server listens (the engine checks them again as it opens)."""
     from ..engine.config import serving_config
@@ -253,6 +254,8 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, **serv
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1000)
     server = Server(config)
     server._loop = None
     # uvicorn raises the signal it caught again once it has stopped; ignoring it then keeps the exit

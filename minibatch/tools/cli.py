@@ -287,7 +287,8 @@ def serve_cmd(args) -> None:
     code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
+                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
+                 switch_interval_ms=args.switch_interval_ms)
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()
@@ -322,6 +323,9 @@ def _add_serving(sub) -> None:
     s.add_argument("--max-batch-tokens", type=_int(1), default=512)
     s.add_argument("--block-size", type=_int(1), default=16)
     s.add_argument("--num-blocks", type=_int(1), default=None, help="KV cache blocks (default: the engine's)")
+    s.add_argument("--switch-interval-ms", type=_float(0.0, low_open=True), default=None,
+                   help="how long a Python thread may hold the GIL while another waits for it (Python's "
+                        "default: 5 ms); the HTTP event loop and the engine's loop share one interpreter")
     s.add_argument("--max-queue", type=_int(1), default=None,
                    help="waiting requests beyond which the server answers 503 (default: no limit)")
     s.set_defaults(func=serve_cmd)

@@ -17,7 +17,8 @@
 # async with --cuda-graphs decode, prefill and mixed steps eager, against graphs captured lazily for every shape;
 # warm: the rate-inf rerun above; oneclient, not in the default: async at the highest rate from one client process),
 # so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
-# reused). Each server's log ends with its steps, CUDA graph captures and the seconds they held its loop
+# reused). SERVE_FLAGS adds flags to each of our servers and TAG a suffix to their labels, for an A/B of
+# one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its steps, CUDA graph captures and the seconds they held its loop
 # (printed after each server stops).
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
@@ -98,10 +99,11 @@ sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the r
     > "$out/bench-$label.log" 2>&1; grep -E "^rate|failed|warning" "$out/bench-$label.log" || true
 }
 ours() {  # ours LABEL RATES SERVE-FLAGS...
-  local label=$1 r=$2; shift 2
+  local label=$1${TAG:-} r=$2; shift 2
   echo "== $label ($(date -u +%H:%M:%S))"
+  # shellcheck disable=SC2086  # SERVE_FLAGS: words on purpose
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
-    || return 1
+    ${SERVE_FLAGS:-} || return 1
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
   if [ "$r" != none ] && [ "$r" != inf ] && want warm; then  # the same server: a warm pass, then rate inf
     sends "$label-warm" inf --processes "$clients" --warmup; fi
