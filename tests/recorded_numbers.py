@@ -116,9 +116,38 @@ def serving() -> dict:
             "server_over_offline_again": warm["inf"]["output_throughput"] / offline["tokens_per_s"]}
 
 
+def _stopped(log: str) -> dict:
+    """A server's last stats, from the `minibatch: stopping; {...}` line it printed."""
+    import ast
+
+    line = next(x for x in (DATA / log).read_text().splitlines() if x.startswith("minibatch: stopping; "))
+    return ast.literal_eval(line.split("; ", 1)[1])
+
+
+def serving_graphs() -> dict:
+    """Our server with every step graphed against decode steps only, and --compile (H200, 8B folder)."""
+    run = "runs/gpu_serving_graphs_2026-12-01/"
+    http = json.loads((DATA / run / "bench_serve.json").read_text())["runs"]
+    every, decode = _stopped(run + "console-1.log"), _stopped(run + "console-2.log")
+    offline = next(float(x.split()[2]) for x in (DATA / run / "offline.log").read_text().splitlines()
+                   if x.startswith("async "))
+    startup = dict(x.split("\t") for x in (DATA / run / "startup.tsv").read_text().splitlines()[1:])
+    tok = {label: http[label]["rates"]["inf"]["output_throughput"]
+           for label in ("async", "async-warm", "async-decode-graphs", "async-decode-graphs-warm", "async+compile")}
+    return {"every_inf_tok_s": tok["async"], "every_warm_tok_s": tok["async-warm"],
+            "decode_inf_tok_s": tok["async-decode-graphs"], "decode_warm_tok_s": tok["async-decode-graphs-warm"],
+            "every_captures": every["graph_captures"], "every_capture_s": every["graph_capture_s"],
+            "decode_captures": decode["graph_captures"], "decode_capture_s": decode["graph_capture_s"],
+            "offline_async_tok_s": offline, "decode_over_offline": tok["async-decode-graphs"] / offline,
+            "decode_warm_over_offline": tok["async-decode-graphs-warm"] / offline,
+            "compile_inf_tok_s": tok["async+compile"],
+            "compile_cold_start_s": float(startup["async+compile"]),
+            "compile_warm_start_s": float(startup["async+compile-warm"])}
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
-            "serving": serving}
+            "serving": serving, "serving_graphs": serving_graphs}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -130,7 +159,12 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                             "figures/data/runs/gpu_merged_projections_2026-12-01/floor_matrix_batches_8_128.json"],
            "profile": ["figures/data/gpu_profile_async_8b.txt"],
            "serving": ["figures/data/runs/gpu_serving_2026-12-01/bench_serve.json",
-                       "figures/data/runs/gpu_serving_2026-12-01/offline_bench.json"]}
+                       "figures/data/runs/gpu_serving_2026-12-01/offline_bench.json"],
+           "serving_graphs": ["figures/data/runs/gpu_serving_graphs_2026-12-01/bench_serve.json",
+                              "figures/data/runs/gpu_serving_graphs_2026-12-01/console-1.log",
+                              "figures/data/runs/gpu_serving_graphs_2026-12-01/console-2.log",
+                              "figures/data/runs/gpu_serving_graphs_2026-12-01/offline.log",
+                              "figures/data/runs/gpu_serving_graphs_2026-12-01/startup.tsv"]}
 
 
 def derive() -> dict:

@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system"]
 
 
+TIMELINE = os.path.join(tempfile.mkdtemp(), "serve_timeline.json")  # the small server's, written as it stops
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +82,7 @@ class Server:
 def servers():
     """Both servers start at once (start-up is mostly imports and loading: they overlap)."""
     big = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64")
-    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1")
+    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE)
     try:
         yield big.wait_ready(), small.wait_ready()
     finally:
@@ -347,6 +350,12 @@ def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast(servers):
         stopped = re.search(r"minibatch: stopping; (\{.*\})", small.output())  # its last stats, steps counted
         assert stopped and "'steps': 0," not in stopped.group(1) and "'graph_captures': 0" in stopped.group(1), \
             small.output()
+        # --timeline: the engine's steps and the requests' arrivals, written as it stopped
+        timeline = minibatch.Timeline.load(TIMELINE)
+        computed = {s.step for s in timeline.spans if s.lane == "compute"}
+        assert len(computed) == int(re.search(r"'steps': (\d+)", stopped.group(1)).group(1)), small.output()
+        arrivals = [label for _, label in timeline.marks]
+        assert len(arrivals) == 1 + codes.count(200) and arrivals[0] == "request 0", arrivals  # the warm-up first
     finally:
         small.stop()
 

@@ -58,7 +58,15 @@ def serving_config(model, mode: str = "async", *, max_batch_size: Any = 8, max_b
                    block_size: Any = 16, num_blocks: Any = None, reusable_bytes: int = 0, **limits) -> RunConfig:
     """A serving run's RunConfig: sized once, for `max_batch_size` requests of the model's whole context
     (or `num_blocks` KV blocks), and checked as make_config checks any run. `Engine.serving` opens its run
-    with it; a server calls it before it listens, so bad limits are refused before any client connects."""
+    with it; a server calls it before it listens, so bad limits are refused before any client connects.
+
+    CUDA graphs default to decode steps only here (`cuda_graphs="decode"`), where an offline run
+    graphs every step: a serving run's prefill and mixed steps take their shapes from when requests
+    happened to arrive, so most of those shapes come up a few times at most, and capturing one (an
+    eager run, a drained device, the capture, the replay) costs more than its replays save. Decode
+    shapes recur for as long as the batch keeps its size. Measured in BENCHMARKS.md (Serving)."""
+    if limits.get("cuda_graphs") is None and model.device.type == "cuda":
+        limits["cuda_graphs"] = "decode"
     max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
     context = model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
     if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit

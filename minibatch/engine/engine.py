@@ -244,7 +244,8 @@ class Engine:
         `num_blocks` KV blocks), and checked against free memory; its KV cache, IO slots and CUDA graphs
         serve every request. `max_queue` bounds the requests waiting for a seat (submit raises
         QueueFull beyond it). Leaving the block ends every open stream ("cancelled") and joins the thread.
-        Other `limits` are generate's (cuda_graphs, compile, num_slots, inject_delays, timeout).
+        Other `limits` are generate's (cuda_graphs, compile, num_slots, inject_delays, timeout), except
+        that CUDA graphs default to decode steps only (config.serving_config says why).
         """
         config = serving_config(self.model, mode, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                                 block_size=block_size, num_blocks=num_blocks,

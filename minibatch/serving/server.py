@@ -43,8 +43,9 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature
 class ServerState:
     """What the endpoints share: the model, its engine, the streams still open."""
 
-    def __init__(self, model, name: str, eos, serving: dict):
+    def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None):
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
+        self.timeline_path = timeline_path
         self.engine = None
         self.open: set = set()  # streams not yet finished or given up
         self.cancelled = 0  # requests cancelled because their client hung up
@@ -181,17 +182,26 @@ def create_app(state: ServerState):
 
     @asynccontextmanager
     async def lifespan(app):
-        with Engine(state.model) as engine, engine.serving(**state.serving):
-            state.engine = engine
-            await asyncio.to_thread(_warm_up, state)
-            print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device}; "
-                  "ready", file=sys.stderr, flush=True)
-            try:
-                yield
-            finally:
-                state.cancel_all()
-                print(f"minibatch: stopping; {engine.stats()}", file=sys.stderr, flush=True)
-                state.engine = None
+        from ..timeline import Timeline
+
+        timeline = Timeline(limit=100_000)  # the engine's own default for a serving run: bounded
+        try:
+            with Engine(state.model) as engine, engine.serving(**state.serving, timeline=timeline):
+                state.engine = engine
+                await asyncio.to_thread(_warm_up, state)
+                print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device}; "
+                      "ready", file=sys.stderr, flush=True)
+                try:
+                    yield
+                finally:
+                    state.cancel_all()
+                    print(f"minibatch: stopping; {engine.stats()}", file=sys.stderr, flush=True)
+                    state.engine = None
+        finally:  # also after a failure: the steps before it are what explains it
+            if state.timeline_path is not None:
+                timeline.save(state.timeline_path)
+                print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to "
+                      f"{state.timeline_path}", file=sys.stderr, flush=True)
 
     app = FastAPI(title="minibatch", lifespan=lifespan)
 
@@ -231,15 +241,17 @@ def model_eos(model):
 
 
 def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch_interval_ms: float | None = None,
-          **serving) -> int:
+          timeline: str | None = None, **serving) -> int:
     """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed).
-    Bad serving limits raise here, before the server listens (the engine checks them again as it opens)."""
+    Bad serving limits raise here, before the server listens (the engine checks them again as it opens).
+    `timeline`: a file the engine's Timeline is written to as the server stops (every step's spans and
+    each request's arrival, the most recent 100,000 to 200,000 spans; `Timeline.load` reads it back)."""
     from ..engine.config import serving_config
 
     serving_config(model, **{k: v for k, v in serving.items() if k != "max_queue"})  # max_queue: the loop's own
     import uvicorn
 
-    state = ServerState(model, name, model_eos(model), serving)
+    state = ServerState(model, name, model_eos(model), serving, timeline)
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=1)
 
@@ -254,6 +266,11 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+    if serving.get("compile"):
+        print("minibatch: warning: with --compile, each decode batch size (row bucket) compiles the first time it "
+              "comes up, and the serving loop, with every request in it, waits for that compile (tens of "
+              "seconds for a large model; BENCHMARKS.md, Serving); CUDA graphs alone compile nothing",
+              file=sys.stderr, flush=True)
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1000)
     server = Server(config)

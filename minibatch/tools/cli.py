@@ -85,15 +85,15 @@ def _float(low: float, high: float = math.inf, low_open: bool = False):
     return parse
 
 
-def _writable(folder: str) -> Path:
-    """Create `--out` and write a file in it now: a bad path fails before the run, not after it."""
+def _writable(folder: str, flag: str = "--out") -> Path:
+    """Create the folder of `flag` and write a file in it now: a bad path fails before the run, not after it."""
     out = Path(folder)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise ValueError(f"--out {folder!r} cannot be written: {e.strerror or e}") from None
+        raise ValueError(f"{flag} {folder!r} cannot be written: {e.strerror or e}") from None
     return out
 
 
@@ -283,12 +283,14 @@ def serve_cmd(args) -> None:
     from ..model.model import load_model
     from ..serving.server import serve
 
+    if args.timeline is not None:  # refused now, not after the whole run when the server stops
+        _writable(os.path.dirname(os.path.abspath(args.timeline)), "--timeline")
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
                  compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
-                 switch_interval_ms=args.switch_interval_ms)
+                 switch_interval_ms=args.switch_interval_ms, timeline=args.timeline)
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()
@@ -315,10 +317,13 @@ def _add_serving(sub) -> None:
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
-    s.add_argument("--compile", action="store_true", help="decode steps through torch.compile (CUDA)")
+    s.add_argument("--compile", action="store_true",
+                   help="decode steps through torch.compile (CUDA); each batch size compiles when it first comes up, "
+                        "and requests wait for it")
     s.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
-                   help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only, so prefill and "
-                        "mixed steps of new shapes run eagerly instead of being captured while requests wait)")
+                   help="replay steps as CUDA graphs: decode (auto's choice on CUDA) graphs decode steps only, and "
+                        "prefill and mixed steps, whose shapes follow the arrivals, run eagerly instead of being "
+                        "captured while requests wait; on graphs every step; off none")
     s.add_argument("--max-batch-size", type=_int(1), default=32)
     s.add_argument("--max-batch-tokens", type=_int(1), default=512)
     s.add_argument("--block-size", type=_int(1), default=16)
@@ -326,6 +331,9 @@ def _add_serving(sub) -> None:
     s.add_argument("--switch-interval-ms", type=_float(0.0, low_open=True), default=None,
                    help="how long a Python thread may hold the GIL while another waits for it (Python's "
                         "default: 5 ms); the HTTP event loop and the engine's loop share one interpreter")
+    s.add_argument("--timeline", default=None, metavar="FILE",
+                   help="write the engine's timeline (every step's spans, each request's arrival) to FILE as JSON "
+                        "when the server stops; minibatch.Timeline.load(FILE).plot() draws it")
     s.add_argument("--max-queue", type=_int(1), default=None,
                    help="waiting requests beyond which the server answers 503 (default: no limit)")
     s.set_defaults(func=serve_cmd)

@@ -13,13 +13,16 @@
 #    LABEL-warm), the warm server against the offline engine (`bench --warmup`) on the same workload;
 # 4. `transformers serve --continuous-batching` on the same folder, in its own process, driven by the same
 #    bench-serve (completions, else chat); if it cannot run, its log says why.
-# PARTS picks steps 2-4 (default: "sync async warm decodegraphs offline compile transformers"; decodegraphs:
-# async with --cuda-graphs decode, prefill and mixed steps eager, against graphs captured lazily for every shape;
+# PARTS picks steps 2-4 (default: "sync async warm allgraphs offline compile transformers"; allgraphs: async
+# with --cuda-graphs on, every step a graph captured the first time its shape comes up, against the server's
+# default of decode steps only;
 # warm: the rate-inf rerun above; oneclient, not in the default: async at the highest rate from one client process),
 # so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
 # reused). SERVE_FLAGS adds flags to each of our servers and TAG a suffix to their labels, for an A/B of
-# one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its steps, CUDA graph captures and the seconds they held its loop
-# (printed after each server stops).
+# one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its
+# steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
+# its engine's timeline (every step's spans, each request's arrival) is written to
+# OUTDIR/timeline-LABEL.json as it stops.
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
@@ -29,7 +32,7 @@
 #       fastapi uvicorn "openai<3" "httpx<1" rich
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
 #       accelerate psutil
-# ); about 8 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
+# ); about 15 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
 # COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu NUM_PROMPTS=8 LEN=32 COMPILE=0).
 set -uo pipefail
 out=${1:?usage: serve_bench.sh OUTDIR}
@@ -39,7 +42,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; len=${LEN:-256}
 rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
-parts=" ${PARTS:-sync async warm decodegraphs offline compile transformers} "; clients=${CLIENTS:-4}
+parts=" ${PARTS:-sync async warm allgraphs offline compile transformers} "; clients=${CLIENTS:-4}
 want() { [[ $parts == *" $1 "* ]]; }
 if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
   python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
@@ -103,7 +106,7 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   echo "== $label ($(date -u +%H:%M:%S))"
   # shellcheck disable=SC2086  # SERVE_FLAGS: words on purpose
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
-    ${SERVE_FLAGS:-} || return 1
+    --timeline "$out/timeline-$label.json" ${SERVE_FLAGS:-} || return 1
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
   if [ "$r" != none ] && [ "$r" != inf ] && want warm; then  # the same server: a warm pass, then rate inf
     sends "$label-warm" inf --processes "$clients" --warmup; fi
@@ -114,7 +117,7 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
 
 want sync && ours sync "$rates" --mode sync
 want async && ours async "$rates" --mode async
-want decodegraphs && [ "$device" != cpu ] && ours async-decode-graphs "$rates" --mode async --cuda-graphs decode
+want allgraphs && [ "$device" != cpu ] && ours async-all-graphs "$rates" --mode async --cuda-graphs on
 if want compile && [ "${COMPILE:-1}" = 1 ]; then
   export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
