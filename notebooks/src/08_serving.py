@@ -313,17 +313,69 @@ fig.savefig(f"{FIGURES}/08_http_gpu.png", dpi=110)
 # is the offline engine's decode period, 9.0 <!-- from figures/data/headline.json: serving.offline_period_ms --> ms. The whole run is
 # slower than offline, though: 0.68 <!-- from figures/data/headline.json: serving.server_over_offline --> of the offline engine's
 # throughput on the same workload (0.80 <!-- from figures/data/headline.json: serving.server_over_offline_again --> when the same server ran
-# rate inf a second time). Two things differ from the offline run, and which costs what is not
-# measured yet: requests arrive one by one rather than all in step 0, so their prefills spread over
-# more steps; and the first time a new step shape comes up, it is captured as a CUDA graph while
-# requests wait (notebook 04), where the offline benchmark captured its shapes in an untimed warm-up.
+# rate inf a second time). Time to first token is higher than transformers' too from 16 requests per
+# second on (350 <!-- from figures/data/headline.json: serving.ours_ttft_p50_16_ms --> ms against 185 <!-- from figures/data/headline.json: serving.tf_ttft_p50_16_ms --> ms at 16/s).
 #
-# Time to first token tells a different story: from 16 requests per second on, ours is the higher
-# (350 <!-- from figures/data/headline.json: serving.ours_ttft_p50_16_ms --> ms against 185 <!-- from figures/data/headline.json: serving.tf_ttft_p50_16_ms --> ms at 16/s). A request's first token needs its whole prefill, and prefills are
-# the steps whose shapes vary most, so they are the ones most often captured for the first time
-# while they run. That is a hypothesis: the server prints its step count and graph captures when
-# it stops, and `serve --cuda-graphs decode` runs prefill and mixed steps without graphs, which is
-# how a run can test it. BENCHMARKS.md has every rate, sync against async, and the start-up times.
+# One suspect is the CUDA graphs of notebook 04. A graph is captured the first time its step shape
+# comes up: the step runs eagerly, the device drains, the step is recorded and replayed, and every
+# request waits meanwhile. Offline, the shapes repeat. In a server, a prefill or mixed step's shape
+# (its token and key buckets) follows when requests happened to arrive, so new shapes keep coming.
+# `engine.stats()` counts the captures (`graph_captures`) and the seconds they held the loop
+# (`graph_capture_s`); the server prints both as it stops. A second H200 run compared graphing
+# every step with graphing decode steps only (`serve --cuda-graphs decode`: prefill and mixed steps
+# run eagerly), each server at the four rates and then, after an untimed pass of the whole workload
+# (`bench-serve --warmup`), at rate inf once more:
+
+# %%
+GRAPHS_GPU = "../figures/data/runs/gpu_serving_graphs_2026-12-01/"
+graph_runs = json.load(open(GRAPHS_GPU + "bench_serve.json"))["runs"]
+offline_tok_s = next(float(line.split()[2]) for line in open(GRAPHS_GPU + "offline.log") if line.startswith("async "))
+settings = (("async", "every step", "#8172B2"), ("async-decode-graphs", "decode steps only", "#C44E52"))
+print(f"{'rate/s':>7} {'graphed':>18} {'TTFT p50':>9} {'ITL p50':>8} {'tok/s':>6}")
+for label, name, _ in settings:
+    for rate, r in [*graph_runs[label]["rates"].items(), ("inf, warm", graph_runs[label + "-warm"]["rates"]["inf"])]:
+        print(f"{rate:>9} {name:>18} {r['ttft_ms']['p50']:7.0f}ms {r['itl_ms']['p50']:6.1f}ms "
+              f"{r['output_throughput']:6.0f}")
+for n, log in ((1, "every step"), (2, "decode steps only")):
+    stop = next(line for line in open(f"{GRAPHS_GPU}console-{n}.log") if line.startswith("minibatch: stopping"))
+    print(f"{log}: {stop.split('; ', 1)[1].strip()}")
+
+fig, ax = plt.subplots(figsize=(7, 3.4))
+for label, name, colour in settings:
+    rates = graph_runs[label]["rates"]
+    ax.plot(range(4), [rates[k]["output_throughput"] for k in order], "o-", color=colour, label=name)
+    ax.plot([3.25], [graph_runs[label + "-warm"]["rates"]["inf"]["output_throughput"]], "s", color=colour,
+            label=f"{name}, warm")
+ax.axhline(offline_tok_s, color="#555555", ls="--", lw=1, label="offline engine, same workload")
+ax.set(title="our server on an H200: which steps are CUDA graphs", xlabel="arrival rate (requests/s)",
+       ylabel="tokens/s", ylim=(0, offline_tok_s * 1.1))
+ax.set_xticks(range(4), order)
+ax.legend(fontsize=8, loc="upper left")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
+
+# %% [markdown]
+# Graphing every step, the server captured 100 <!-- from figures/data/headline.json: serving_graphs.every_captures --> graphs over its life, and they held its
+# loop 19.7 <!-- from figures/data/headline.json: serving_graphs.every_capture_s --> s; its warm rate-inf pass was even slower than its first
+# (3341 <!-- from figures/data/headline.json: serving_graphs.every_warm_tok_s --> tokens/s): new arrivals, new shapes, new captures. Graphing decode steps
+# only: 44 <!-- from figures/data/headline.json: serving_graphs.decode_captures --> captures, 5.2 <!-- from figures/data/headline.json: serving_graphs.decode_capture_s --> s, the same gap between tokens, and more
+# tokens per second from 32 requests per second on (3994 <!-- from figures/data/headline.json: serving_graphs.decode_inf_tok_s --> against
+# 3763 <!-- from figures/data/headline.json: serving_graphs.every_inf_tok_s --> at rate inf). A decode step's shape recurs for as long as the batch keeps
+# its size, so its graph is replayed many times; most prefill shapes are not. That is why `serve`
+# graphs decode steps only unless told otherwise (`--cuda-graphs on`), while offline runs graph
+# every step. At a few requests per second the eager prefill is the price: a newcomer's first token
+# comes later than with every step graphed (BENCHMARKS.md has every rate).
+#
+# It closes part of the gap, not all: 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of the offline engine's throughput.
+# What remains sits, we think, at the start and the end of a run this short (a few seconds): requests reach the
+# engine one HTTP request at a time rather than all in step 0. `serve --timeline FILE` writes the
+# engine's timeline, with each request's arrival as a mark, when the server stops, so the next run
+# can show where the time went, with the plots of notebook 06.
+#
+# `--compile` is the other lesson: torch.compile compiles a decode step once per batch size, the
+# first time that size comes up. Offline, a warm-up pass does that before timing. A server meets
+# each size mid-run, with every request waiting, and its first rate-inf run streamed
+# 87 <!-- from figures/data/headline.json: serving_graphs.compile_inf_tok_s --> tokens per second while its batch sizes compiled one by one.
 #
 # ## Summary
 #
