@@ -348,14 +348,16 @@ def test_arrivals_are_marked_on_the_timeline(tiny):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_online_equals_offline_on_the_gpu(mode):
-    """The same random workloads on a GPU, CUDA graphs on, in float32 (in bf16 a matrix product's
-    rounding can depend on the batch's shape, so near-tied logits may flip)."""
+    """The same random workloads on a GPU, in float32 (in bf16 a matrix product's rounding can depend
+    on the batch's shape, so near-tied logits may flip): the serving default (decode steps graphed)
+    and every step graphed."""
     import torch
 
     model = minibatch.load_model("tiny", device="cuda", dtype=torch.float32)
     for seed in range(3):
         work, limits = random_workload(random.Random(seed), model.tokenizer)
         check_workload(model, work, limits, mode, seed)
+        check_workload(model, work, {**limits, "cuda_graphs": True}, mode, seed)
     # a serving run graphs decode steps only (by default), captures them lazily and says how long
     # the captures held its loop
     with minibatch.Engine(model) as engine, engine.serving(mode=mode):

@@ -291,7 +291,8 @@ class Engine:
         """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
         without stopping the loop). A graph is captured the first time a step shape comes up: captures
         that keep growing under load are steps that ran slower than a replay would, and
-        `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture)."""
+        `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
+        compile=True also the torch.compile of a new shape, which happens in the warm-up step)."""
         if self.loop is None:
             return {"serving": False}
         run = self.loop.run

@@ -61,7 +61,7 @@ class StepRunner:
         self.decode_layout = model.decode_layout
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.captures: list[dict] = []  # one record per capture: key and pool memory growth
+        self.captures: list[dict] = []  # one record per capture: key, pool memory growth, seconds
 
     def build(self, plan: BatchPlan):
         # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
@@ -87,7 +87,8 @@ class StepRunner:
         t0 = time.perf_counter()
         forward_step(self.model, self.cache, args, self.compiled)  # warm-up run, eagerly
         graph = self.graphs[args.key] = self._capture(args)
-        # host time the capture held the loop: the warm-up step, the device drained, the capture itself
+        # host time the capture held the loop: the warm-up step (with a compile if the shape is new to
+        # torch.compile), the device drained, the capture itself
         self.captures[-1]["seconds"] = time.perf_counter() - t0
         # the step's results come from the graph too, so that every graphed step uses the graph's
         # kernels (bf16 eager and graph kernels may round differently); running the step again is

@@ -199,9 +199,13 @@ def create_app(state: ServerState):
                     state.engine = None
         finally:  # also after a failure: the steps before it are what explains it
             if state.timeline_path is not None:
-                timeline.save(state.timeline_path)
-                print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to "
-                      f"{state.timeline_path}", file=sys.stderr, flush=True)
+                try:
+                    timeline.save(state.timeline_path)
+                    print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to "
+                          f"{state.timeline_path}", file=sys.stderr, flush=True)
+                except OSError as e:  # never in place of the error that may be on its way out
+                    print(f"minibatch: warning: could not write the timeline to {state.timeline_path}: {e}",
+                          file=sys.stderr, flush=True)
 
     app = FastAPI(title="minibatch", lifespan=lifespan)
 

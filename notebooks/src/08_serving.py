@@ -357,7 +357,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # %% [markdown]
 # Graphing every step, the server captured 100 <!-- from figures/data/headline.json: serving_graphs.every_captures --> graphs over its life, and they held its
 # loop 19.7 <!-- from figures/data/headline.json: serving_graphs.every_capture_s --> s; its warm rate-inf pass was even slower than its first
-# (3341 <!-- from figures/data/headline.json: serving_graphs.every_warm_tok_s --> tokens/s): new arrivals, new shapes, new captures. Graphing decode steps
+# (3341 <!-- from figures/data/headline.json: serving_graphs.every_warm_tok_s --> tokens/s), perhaps as new arrivals brought new shapes (the server counts
+# captures over its whole life, so that run cannot say which pass paid for them). Graphing decode steps
 # only: 44 <!-- from figures/data/headline.json: serving_graphs.decode_captures --> captures, 5.2 <!-- from figures/data/headline.json: serving_graphs.decode_capture_s --> s, the same gap between tokens, and more
 # tokens per second from 32 requests per second on (3994 <!-- from figures/data/headline.json: serving_graphs.decode_inf_tok_s --> against
 # 3763 <!-- from figures/data/headline.json: serving_graphs.every_inf_tok_s --> at rate inf). A decode step's shape recurs for as long as the batch keeps

@@ -32,8 +32,10 @@
 #       fastapi uvicorn "openai<3" "httpx<1" rich
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
 #       accelerate psutil
-# ); about 15 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE, NUM_PROMPTS, LEN, RATES,
-# COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu NUM_PROMPTS=8 LEN=32 COMPILE=0).
+# ); about 20 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE,
+# NUM_PROMPTS, LEN, RATES, COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu
+# NUM_PROMPTS=8 LEN=32 COMPILE=0); MAX_BATCH (default NUM_PROMPTS) caps the batch, e.g. for NUM_PROMPTS=256,
+# whose batch of 256 whole-context requests would not fit in the KV cache.
 set -uo pipefail
 out=${1:?usage: serve_bench.sh OUTDIR}
 cd "$(dirname "$0")/../.."
@@ -44,6 +46,11 @@ model=${MODEL:-llama3-8b-shape}; device=${DEVICE:-cuda}; n=${NUM_PROMPTS:-64}; l
 rates=${RATES:-4,16,32,inf}; port=${PORT:-8321}; url=http://127.0.0.1:$port
 parts=" ${PARTS:-sync async warm allgraphs offline compile transformers} "; clients=${CLIENTS:-4}
 want() { [[ $parts == *" $1 "* ]]; }
+for p in $parts; do  # a misspelt part would otherwise measure nothing, silently
+  case $p in sync|async|warm|allgraphs|oneclient|offline|compile|transformers) ;;
+    *) echo "unknown part '$p' in PARTS (sync async warm allgraphs oneclient offline compile transformers)"; exit 2;;
+  esac
+done
 if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
   python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
 python3 -c "import fastapi, uvicorn, openai" || { echo "needs fastapi, uvicorn and openai (set WHEELS=DIR)"; exit 1; }
@@ -54,7 +61,7 @@ folder=$out/$model-folder
 dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)
 [ -f "$folder/config.json" ] || python3 scripts/gpu/save_random_folder.py "$model" "$folder" --device "$device" \
   --dtype "$dtype" > "$out/save.log" 2>&1 || { tail -5 "$out/save.log"; exit 1; }
-limits=(--max-batch-size "$n" --max-batch-tokens 2048)
+limits=(--max-batch-size "${MAX_BATCH:-$n}" --max-batch-tokens 2048)  # MAX_BATCH: for NUM_PROMPTS past what fits
 bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len"
        --slo ttft=1000,tpot=50 --out "$out" --no-progress)
 [ -f "$out/startup.tsv" ] || printf 'label\tseconds_to_ready_health\n' > "$out/startup.tsv"
@@ -102,7 +109,7 @@ sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the r
     > "$out/bench-$label.log" 2>&1; grep -E "^rate|failed|warning" "$out/bench-$label.log" || true
 }
 ours() {  # ours LABEL RATES SERVE-FLAGS...
-  local label=$1${TAG:-} r=$2; shift 2
+  local base=$1 label=$1${TAG:-} r=$2; shift 2
   echo "== $label ($(date -u +%H:%M:%S))"
   # shellcheck disable=SC2086  # SERVE_FLAGS: words on purpose
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
@@ -110,7 +117,7 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
   if [ "$r" != none ] && [ "$r" != inf ] && want warm; then  # the same server: a warm pass, then rate inf
     sends "$label-warm" inf --processes "$clients" --warmup; fi
-  if [ "$label" = async ] && want oneclient; then  # the same server, one client process at the highest rates
+  if [ "$base" = async ] && want oneclient; then  # the same server, one client process at the highest rates
     sends async-1client "${rates##*,}" --processes 1; fi
   stop
 }
