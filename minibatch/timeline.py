@@ -9,7 +9,9 @@ A `Timeline` is a list of spans, each on a lane:
 
 The loops record a span for every stage of every step. `device_busy()` is the fraction of the
 wall time during which at least one device lane (H2D, compute, D2H) was busy: the number the
-article reports (76.0% synchronous, 99.4% asynchronous). `plot()` draws the Gantt chart;
+article reports (76.0% synchronous, 99.4% asynchronous). A serving run's timeline also marks each
+request's arrival; `bursts()` cuts it into busy periods and `window(start, end)` says what each held
+(arrivals, steps, busy share, time per step). `plot()` draws the Gantt chart;
 `to_chrome_trace()` writes JSON that chrome://tracing and ui.perfetto.dev open.
 
 Times are seconds on the host's `time.perf_counter()` clock, relative to the timeline's start.
@@ -91,6 +93,42 @@ class Timeline:
     def device_busy(self) -> float:
         """Fraction of wall time with the device doing something (H2D, compute or D2H)."""
         return self.busy() / self.wall if self.wall > 0 else 0.0
+
+    def bursts(self, quiet: float = 0.5) -> list[tuple[float, float]]:
+        """A serving run's busy periods, as (start, end): from the first arrival of a group of requests
+        to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
+        with no arrival and nothing on the device (an idle server's warm-up and its loads apart)."""
+        events = sorted([(t, t) for t, _ in self.marks] +
+                        [(s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES])
+        out, cur, arrived = [], None, False
+        marks = {t for t, _ in self.marks}
+        for a, b in events:
+            if cur is not None and a > cur[1] + quiet:
+                if arrived:
+                    out.append(tuple(cur))
+                cur, arrived = None, False
+            if cur is None:
+                cur = [a, b]
+            cur[1] = max(cur[1], b)
+            if a == b and a in marks:
+                arrived = True
+        if cur is not None and arrived:
+            out.append(tuple(cur))
+        return out
+
+    def window(self, start: float, end: float) -> dict:
+        """What happened between `start` and `end` (seconds on this timeline): arrivals and their spread,
+        steps computed, the device's busy share, and the mean wall time per step and compute span."""
+        arrivals = sorted(t for t, _ in self.marks if start <= t <= end)
+        compute = [s for s in self.spans if s.lane == "compute" and start <= s.start < end]
+        device = [(max(s.start, start), min(s.end, end)) for s in self.spans
+                  if s.lane in DEVICE_LANES and s.end > start and s.start < end]
+        wall, steps = end - start, len({s.step for s in compute})
+        return {"wall_s": wall, "arrivals": len(arrivals),
+                "arrival_spread_s": arrivals[-1] - arrivals[0] if arrivals else 0.0,
+                "steps": steps, "device_busy": union_length(device) / wall if wall > 0 else 0.0,
+                "ms_per_step": 1000 * wall / steps if steps else 0.0,
+                "compute_ms": 1000 * sum(s.duration for s in compute) / len(compute) if compute else 0.0}
 
     def totals(self) -> dict[str, float]:
         """Seconds per span name, e.g. {'prepare': 0.1, 'compute': 0.8, ...}."""

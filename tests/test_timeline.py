@@ -1,8 +1,11 @@
 """Timeline summaries: busy fraction as a union of device spans; export round trips."""
 
 import json
+import sys
+from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -79,3 +82,45 @@ def test_step_labels_sit_on_wide_bars():
     tl.add("compute", "compute", 3.6, 3.61, 1)  # too narrow to hold a label
     texts = [t.get_text() for t in tl.plot(step_labels=True).texts]
     assert texts.count("0") == 5 and "1" not in texts
+
+
+def _serving_timeline() -> Timeline:
+    """Two groups of requests 5 s apart, and a device span between them with no request (a load)."""
+    tl = Timeline()
+    tl.marks = [(0.0, "request 0"), (0.05, "request 1"), (5.0, "request 2")]
+    for step in range(4):  # back to back from 0.01 to 0.21
+        tl.add("compute", "compute", 0.01 + 0.05 * step, 0.06 + 0.05 * step, step)
+    tl.add("H2D", "H2D", 3.0, 3.1)
+    tl.add("compute", "compute", 5.0, 5.05, 4)
+    tl.add("compute", "compute", 5.06, 5.1, 5)  # 10 ms idle before it
+    return tl
+
+
+def test_bursts_and_windows_of_a_serving_timeline():
+    tl = _serving_timeline()
+    bursts = tl.bursts(quiet=0.5)
+    assert bursts == [pytest.approx((0.0, 0.21)), pytest.approx((5.0, 5.1))]  # the load is no burst
+    w = tl.window(*bursts[0])
+    assert (w["arrivals"], w["steps"]) == (2, 4)
+    assert w["arrival_spread_s"] == pytest.approx(0.05) and w["device_busy"] == pytest.approx(0.2 / 0.21)
+    assert w["ms_per_step"] == pytest.approx(52.5) and w["compute_ms"] == pytest.approx(50)
+    w = tl.window(*bursts[1])
+    assert (w["arrivals"], w["steps"], w["arrival_spread_s"]) == (1, 2, 0.0)
+    assert w["device_busy"] == pytest.approx(0.09 / 0.1)
+    assert tl.bursts(quiet=3.0) == [pytest.approx((0.0, 5.1))]  # a longer quiet joins everything
+
+
+def test_timeline_bursts_script_prints_a_row_per_burst(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import timeline_bursts
+
+    served, offline = tmp_path / "served.json", tmp_path / "offline.json"
+    _serving_timeline().save(served)
+    plain = Timeline()
+    plain.add("compute", "compute", 1.0, 1.5, 0)
+    plain.save(offline)
+    timeline_bursts.main([str(served), str(offline)])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:6] for line in out if line.strip()[:1].isdigit()] == [
+        ["0.00", "0.21", "2", "50.0", "4", "95%"], ["5.00", "0.10", "1", "0.0", "2", "90%"],
+        ["1.00", "0.50", "0", "0.0", "1", "100%"]]

@@ -22,7 +22,8 @@
 # one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its
 # steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
 # its engine's timeline (every step's spans, each request's arrival) is written to
-# OUTDIR/timeline-LABEL.json as it stops.
+# OUTDIR/timeline-LABEL.json as it stops, and summarised burst by burst (scripts/timeline_bursts.py: arrivals
+# and their spread, steps, device busy, ms per step; the offline run's too) into OUTDIR/bursts.txt.
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
@@ -102,6 +103,8 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
   kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
   grep -h "minibatch: stopping" "$log" 2>/dev/null || true
+  local tl=${log/server-/timeline-}; tl=${tl%.log}.json
+  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"
 }
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
   local label=$1 r=$2; shift 2
@@ -137,6 +140,7 @@ echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
 python3 -m minibatch bench --model "$folder" --device "$device" --modes sync,async --num-prompts "$n" \
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
+python3 scripts/timeline_bursts.py "$out/offline/timeline_async.json" | tee -a "$out/bursts.txt"
 fi
 want transformers || { cat "$out/startup.tsv"; exit 0; }
 

@@ -1,0 +1,50 @@
+"""Where a serving run's time went, burst by burst, from a timeline file.
+
+    python scripts/timeline_bursts.py TIMELINE.json [TIMELINE.json ...] [--quiet 0.5]
+
+TIMELINE.json: what `python -m minibatch serve --timeline FILE` writes as the server stops, or a
+`bench --out` timeline (an offline run: one window over the whole file). A burst runs from the first
+arrival of a group of requests to the end of the last device span after it; a gap of `--quiet`
+seconds with no arrival and an idle device ends it (Timeline.bursts). Per burst: the requests that
+arrived and over how long, the steps, the device's busy share, and the wall time per step. Set a
+rate-inf burst of the server beside the offline run of the same workload: more steps, longer steps
+or an idle device each point at a different cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minibatch.timeline import Timeline  # noqa: E402
+
+
+def rows(timeline: Timeline, quiet: float) -> list[dict]:
+    """One summary per burst (Timeline.window), or one over the whole timeline if it has no arrivals."""
+    if timeline.marks:
+        return [{"start_s": a, **timeline.window(a, b)} for a, b in timeline.bursts(quiet)]
+    if not timeline.spans:
+        return []
+    a, b = min(s.start for s in timeline.spans), max(s.end for s in timeline.spans)
+    return [{"start_s": a, **timeline.window(a, b)}]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+")
+    p.add_argument("--quiet", type=float, default=0.5, help="seconds of nothing that end a burst")
+    args = p.parse_args(argv)
+    for f in args.files:
+        print(f)
+        print(f"{'start s':>9} {'wall s':>7} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} "
+              f"{'ms/step':>8} {'compute ms':>10}")
+        for r in rows(Timeline.load(f), args.quiet):
+            print(f"{r['start_s']:9.2f} {r['wall_s']:7.2f} {r['arrivals']:7d} {1000 * r['arrival_spread_s']:8.1f} "
+                  f"{r['steps']:6d} {r['device_busy']:5.0%} {r['ms_per_step']:8.2f} {r['compute_ms']:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
