@@ -26,7 +26,8 @@ requests over P client processes (spawned, each with its own client, all on one 
 `--warmup` sends every prompt once, all at once and untimed, before the first rate: a server that
 captures CUDA graphs or compiles the first time a step shape comes up pays that there, so the rates
 measure a warm server, as `bench --warmup` measures a warm engine offline. Without it, the first rate
-includes those costs, as a server's first users would see them.
+includes those costs, as a server's first users would see them. A pause of PAUSE_S separates the
+rates, so that a server's timeline (`serve --timeline`) shows each as a burst of its own.
 
 Notebook 08 runs it against `serve` in the sync and the async mode.
 """
@@ -41,6 +42,10 @@ from pathlib import Path
 
 from . import bench_report
 from .bench_report import RequestResult
+
+# between two rates (and after the warm-up): the server drains, and its timeline (serve --timeline)
+# shows each rate as a burst of its own (Timeline.bursts ends one at half a second of nothing)
+PAUSE_S = 1.0
 
 # short, distinct, whitespace-free words: a few tokens each in any tokenizer
 WORDS = ("the of and to in is was for on are with as his they be at one have this from or had by hot "
@@ -276,12 +281,15 @@ async def _run(args) -> dict:
                                      random.Random(args.seed))
         if args.warmup:  # untimed, all at once, through the same client path as the measured rates
             s = await run_rate(client, args, model, prompts, math.inf, usage, "warm-up")
+            await asyncio.sleep(PAUSE_S)
             print(f"warm-up: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s (untimed)",
                   flush=True)
             if s["failed"]:
                 raise RuntimeError(f"{s['failed']} warm-up requests failed, e.g. {s['errors'][0]}")
         rates = {}
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
+            if i:
+                await asyncio.sleep(PAUSE_S)
             rates[bench_report.rate_key(rate)] = s = await run_rate(client, args, model, prompts, rate, usage)
             print(bench_report.format_row(rate, s), flush=True)
             if s["client_cpu"] > 0.9:
