@@ -231,8 +231,10 @@ def free_port():
 port = free_port()
 url = f"http://127.0.0.1:{port}"
 server_log = tempfile.TemporaryFile(mode="w+")
+server_timeline = os.path.join(tempfile.mkdtemp(), "timeline.json")  # written as the server stops
 server = subprocess.Popen([sys.executable, "-m", "minibatch", "serve", "--model", "tiny", "--device", "cpu",
-                           "--port", str(port), "--max-batch-size", "8"], stdout=server_log, stderr=server_log)
+                           "--port", str(port), "--max-batch-size", "8", "--timeline", server_timeline],
+                          stdout=server_log, stderr=server_log)
 deadline = time.monotonic() + 180
 while True:  # the server answers /health once its engine is open and warm
     try:
@@ -275,6 +277,29 @@ measured = json.load(open(os.path.join(bench_out, "bench_serve.json")))["runs"][
 print({rate: f"{r['completed']} ok, {r['failed']} failed" for rate, r in measured.items()})
 server.terminate()  # SIGTERM: stop taking requests, end open streams, exit 0
 print("server exit code:", server.wait(timeout=30))
+
+# %% [markdown]
+# The server was started with `--timeline FILE`, so as it stopped it wrote its engine's timeline:
+# every step's spans, as in notebook 06, and each request's arrival as a mark. `Timeline.bursts()`
+# cuts it into busy periods (a pause of half a second ends one; `bench-serve` pauses a second
+# between rates) and `Timeline.window()` sums one up. The last burst is rate inf: all sixteen
+# requests sent at once, yet they reach the engine one HTTP request at a time, over some
+# milliseconds, and the steps that serve them are what the offline engine's would be plus the
+# effect of sharing the CPU with the HTTP server and the client (`scripts/timeline_bursts.py`
+# prints the same table for any timeline file, the offline benchmark's included):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+served = Timeline.load(server_timeline)
+print(f"{'start s':>8} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} {'ms/step':>8}")
+for start, end in served.bursts():
+    w = served.window(start, end)
+    print(f"{start:8.2f} {w['arrivals']:7d} {1000 * w['arrival_spread_s']:8.1f} {w['steps']:6d} "
+          f"{w['device_busy']:5.0%} {w['ms_per_step']:8.2f}")
+
+# %%
+last = served.window(*served.bursts()[-1])
+print("requests in the last burst:", last["arrivals"], "| steps:", last["steps"] > 0)
 
 # %% [markdown]
 # On an H200 the same benchmark ran against our server (async loop, 8B-shaped model saved as a
