@@ -19,6 +19,7 @@ Times are seconds on the host's `time.perf_counter()` clock, relative to the tim
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from contextlib import contextmanager
@@ -98,22 +99,13 @@ class Timeline:
         """A serving run's busy periods, as (start, end): from the first arrival of a group of requests
         to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
         with no arrival and nothing on the device (an idle server's warm-up and its loads apart)."""
-        events = sorted([(t, t) for t, _ in self.marks] +
-                        [(s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES])
-        out, cur, arrived = [], None, False
-        marks = {t for t, _ in self.marks}
-        for a, b in events:
-            if cur is not None and a > cur[1] + quiet:
-                if arrived:
-                    out.append(tuple(cur))
-                cur, arrived = None, False
-            if cur is None:
-                cur = [a, b]
-            cur[1] = max(cur[1], b)
-            if a == b and a in marks:
-                arrived = True
-        if cur is not None and arrived:
-            out.append(tuple(cur))
+        arrivals = sorted(t for t, _ in self.marks)
+        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES]
+        out = []
+        for a, b in merged(events, bridge=quiet):
+            first = bisect.bisect_left(arrivals, a)
+            if first < len(arrivals) and arrivals[first] <= b:  # a period with no arrival is no burst
+                out.append((arrivals[first], b))
         return out
 
     def window(self, start: float, end: float) -> dict:
@@ -226,17 +218,18 @@ class Timeline:
         return ax
 
 
+def merged(intervals, bridge: float = 0.0) -> list[tuple[float, float]]:
+    """(start, end) intervals merged where they overlap, touch, or leave a gap of at most `bridge`."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1] + bridge:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def union_length(intervals, bridge: float = 0.0) -> float:
     """Total length covered by (start, end) intervals, overlaps counted once; gaps shorter than
     `bridge` count as covered (0: only overlapping or touching intervals merge)."""
-    total, cur_start, cur_end = 0.0, None, None
-    for a, b in sorted(intervals):
-        if cur_end is None or a > cur_end + bridge:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(b - a for a, b in merged(intervals, bridge))

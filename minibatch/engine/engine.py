@@ -55,6 +55,8 @@ from .serving import Loop
 from .stream import Stream
 from .sync_loop import sync_step
 
+SERVING_TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
+
 STEPS = {"sync": sync_step, "async": async_step}
 # what the cpu device process keeps on its side once sent (or inherited at fork), as a GPU keeps them
 register_resident(Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
@@ -251,7 +253,7 @@ class Engine:
                                 block_size=block_size, num_blocks=num_blocks,
                                 reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()), **limits)
         with self._exclusive():
-            run = self._open(config, [], timeline if timeline is not None else Timeline(limit=100_000), None)
+            run = self._open(config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT), None)
             self.loop = Loop(self, run, max_queue)
             self.loop.start_thread()
             try:
@@ -301,7 +303,7 @@ class Engine:
                 "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
                 "waiting": len(s.waiting) + len(self.loop.inbox), "steps": s.step,
                 "graph_captures": len(run.runner.captures),
-                "graph_capture_s": round(sum(c.get("seconds", 0.0) for c in run.runner.captures), 3)}
+                "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3)}
 
     @contextmanager
     def _exclusive(self):

@@ -84,18 +84,15 @@ class StepRunner:
         if graph is not None:
             graph.replay()
             return
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         forward_step(self.model, self.cache, args, self.compiled)  # warm-up run, eagerly
-        graph = self.graphs[args.key] = self._capture(args)
-        # host time the capture held the loop: the warm-up step (with a compile if the shape is new to
-        # torch.compile), the device drained, the capture itself
-        self.captures[-1]["seconds"] = time.perf_counter() - t0
+        graph = self.graphs[args.key] = self._capture(args, started)
         # the step's results come from the graph too, so that every graphed step uses the graph's
         # kernels (bf16 eager and graph kernels may round differently); running the step again is
         # harmless: it writes the same KV cells and outputs, and carry-over is out of place
         graph.replay()
 
-    def _capture(self, args: StepArgs) -> torch.cuda.CUDAGraph:
+    def _capture(self, args: StepArgs, started: float) -> torch.cuda.CUDAGraph:
         # torch.cuda.graph empties the allocator's cache as it starts; do it first, so that the growth
         # measured below is the graph's own (and never negative)
         torch.cuda.synchronize(self.model.device)
@@ -105,5 +102,7 @@ class StepRunner:
         with torch.cuda.graph(graph, pool=self.pool):  # synchronizes the device first
             forward_step(self.model, self.cache, args, self.compiled)
         grew = torch.cuda.memory_reserved(self.model.device) - before
-        self.captures.append({"key": args.key, "reserved_growth": grew})
+        # seconds: host time the capture held the loop since `started`: the warm-up step (with a compile if
+        # the shape is new to torch.compile), the device drained, the capture itself
+        self.captures.append({"key": args.key, "reserved_growth": grew, "seconds": time.perf_counter() - started})
         return graph

@@ -281,11 +281,11 @@ async def _run(args) -> dict:
                                      random.Random(args.seed))
         if args.warmup:  # untimed, all at once, through the same client path as the measured rates
             s = await run_rate(client, args, model, prompts, math.inf, usage, "warm-up")
-            await asyncio.sleep(PAUSE_S)
             print(f"warm-up: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s (untimed)",
                   flush=True)
             if s["failed"]:
                 raise RuntimeError(f"{s['failed']} warm-up requests failed, e.g. {s['errors'][0]}")
+            await asyncio.sleep(PAUSE_S)
         rates = {}
         for i, rate in enumerate(args.rates):
             if i:

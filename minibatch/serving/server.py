@@ -178,13 +178,13 @@ def _warm_up(state: ServerState) -> None:
 
 def create_app(state: ServerState):
     """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
-    from ..engine.engine import Engine
+    from ..engine.engine import SERVING_TIMELINE_LIMIT, Engine
 
     @asynccontextmanager
     async def lifespan(app):
         from ..timeline import Timeline
 
-        timeline = Timeline(limit=100_000)  # the engine's own default for a serving run: bounded
+        timeline = Timeline(limit=SERVING_TIMELINE_LIMIT)  # the engine's default, held here to be saved
         try:
             with Engine(state.model) as engine, engine.serving(**state.serving, timeline=timeline):
                 state.engine = engine
