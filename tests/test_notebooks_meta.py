@@ -30,6 +30,7 @@ CHAPTER = {
     "minibatch.batching.carry_over": 5,
     "minibatch.engine.async_loop": 6,
     "minibatch.tools": 7, "minibatch.tools.bench": 7, "minibatch.tools.floors": 7, "minibatch.tools.cli": 7,
+    "minibatch.tools.cli_args": 7, "minibatch.tools.cli_serving": 8,
     "minibatch.model.triton_decode": 7, "minibatch.runner.siblings": 7,
     "minibatch.compat": 7, "minibatch.engine.config": 0,
     "minibatch.engine.serving": 8, "minibatch.engine.stream": 8, "minibatch.tools.online": 8,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
+
+from .cli_args import _GRAPHS, _float, _int, _writable
+from .cli_serving import add_serving
 
 DEMO_PROMPTS = [
     "The for statement",
@@ -57,44 +58,6 @@ def _hf_modes(arg: str) -> list[str]:
     if not modes or bad:
         raise argparse.ArgumentTypeError(f"--hf takes 'default', 'all' or some of {', '.join(HF_MODES)}, got {arg!r}")
     return modes
-
-
-def _int(low: int, high: int = 2**63 - 1):
-    def parse(arg: str) -> int:
-        try:
-            value = int(arg)
-        except ValueError:
-            value = None
-        if value is None or not low <= value <= high:
-            allowed = f">= {low}" if high == 2**63 - 1 else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be an integer {allowed} (at most 2**63 - 1), got {arg!r}")
-        return value
-    return parse
-
-
-def _float(low: float, high: float = math.inf, low_open: bool = False):
-    def parse(arg: str) -> float:
-        try:
-            value = float(arg)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-            raise argparse.ArgumentTypeError(f"must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
-                                             f"got {arg!r}")
-        return value
-    return parse
-
-
-def _writable(folder: str, flag: str = "--out") -> Path:
-    """Create the folder of `flag` and write a file in it now: a bad path fails before the run, not after it."""
-    out = Path(folder)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {folder!r} cannot be written: {e.strerror or e}") from None
-    return out
 
 
 def demo(args) -> None:
@@ -257,115 +220,6 @@ def bench_cmd(args) -> None:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
 
 
-def _rates(arg: str) -> list[float]:
-    try:
-        rates = [float(r) for r in arg.split(",") if r]
-    except ValueError:
-        rates = []
-    if not rates or any(not r > 0 or math.isnan(r) for r in rates):
-        raise argparse.ArgumentTypeError(f"takes positive request rates per second or inf, comma-separated, "
-                                         f"got {arg!r}")
-    return rates
-
-
-def _slo(arg: str) -> dict:
-    from ..serving.bench_report import parse_slo
-    try:
-        return parse_slo(arg)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-_GRAPHS = {"auto": None, "on": True, "off": False, "decode": "decode"}  # --cuda-graphs -> generate's cuda_graphs
-
-
-def serve_cmd(args) -> None:
-    from ..model.model import load_model
-    from ..serving.server import serve
-
-    if args.timeline is not None:  # refused now, not after the whole run when the server stops
-        _writable(os.path.dirname(os.path.abspath(args.timeline)), "--timeline")
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
-                 max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                 block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
-                 switch_interval_ms=args.switch_interval_ms, timeline=args.timeline)
-    # the engine is closed and its device released by now; what is left is the interpreter tearing down
-    # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def bench_serve_cmd(args) -> None:
-    from ..serving import bench_serve
-
-    _writable(args.out)
-    if args.token_prompts and args.endpoint == "chat":
-        raise ValueError("--token-prompts needs the completions endpoint (chat messages are text)")
-    raise SystemExit(bench_serve.main(args))
-
-
-def _add_serving(sub) -> None:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, SSE streams)")
-    s.add_argument("--model", default="tiny", help="tiny, a built-in shape, a model folder or a hub id")
-    s.add_argument("--served-model-name", default=None, help="the id in /v1/models (default: --model)")
-    s.add_argument("--mode", choices=["sync", "async"], default="async")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_int(0, 65535), default=8000)
-    s.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: float32 on the CPU, bfloat16 on a GPU")
-    s.add_argument("--compile", action="store_true",
-                   help="decode steps through torch.compile (CUDA); each batch size compiles when it first comes up, "
-                        "and requests wait for it")
-    s.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
-                   help="replay steps as CUDA graphs: decode (auto's choice on CUDA) graphs decode steps only, and "
-                        "prefill and mixed steps, whose shapes follow the arrivals, run eagerly instead of being "
-                        "captured while requests wait; on graphs every step; off none")
-    s.add_argument("--max-batch-size", type=_int(1), default=32)
-    s.add_argument("--max-batch-tokens", type=_int(1), default=512)
-    s.add_argument("--block-size", type=_int(1), default=16)
-    s.add_argument("--num-blocks", type=_int(1), default=None, help="KV cache blocks (default: the engine's)")
-    s.add_argument("--switch-interval-ms", type=_float(0.0, low_open=True), default=None,
-                   help="how long a Python thread may hold the GIL while another waits for it (Python's "
-                        "default: 5 ms); the HTTP event loop and the engine's loop share one interpreter")
-    s.add_argument("--timeline", default=None, metavar="FILE",
-                   help="write the engine's timeline (every step's spans, each request's arrival) to FILE as JSON "
-                        "when the server stops; minibatch.Timeline.load(FILE).plot() draws it")
-    s.add_argument("--max-queue", type=_int(1), default=None,
-                   help="waiting requests beyond which the server answers 503 (default: no limit)")
-    s.set_defaults(func=serve_cmd)
-    b = sub.add_parser("bench-serve", help="TTFT, TPOT, ITL, throughput of any OpenAI-compatible server")
-    b.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    b.add_argument("--model", default=None, help="default: the first id of /v1/models")
-    b.add_argument("--rates", type=_rates, required=True, help="requests per second, comma-separated; inf: all at once")
-    b.add_argument("--num-prompts", type=_int(1), required=True)
-    b.add_argument("--prompt-len", type=_int(1), default=128)
-    b.add_argument("--max-tokens", type=_int(1), required=True)
-    b.add_argument("--burstiness", type=_float(0.0, low_open=True), default=1.0,
-                   help="gamma shape of the gaps: 1 is Poisson, lower is burstier")
-    b.add_argument("--max-concurrency", type=_int(1), default=None)
-    b.add_argument("--processes", type=_int(1), default=1,
-                   help="client processes sharing the requests (one Python client saturates at a few thousand "
-                        "chunks per second; each rate prints the client's CPU share)")
-    b.add_argument("--slo", type=_slo, default={}, help="latency targets for goodput, e.g. ttft=500,tpot=50 (ms)")
-    b.add_argument("--temperature", type=_float(0.0, 2.0), default=0.0)
-    b.add_argument("--seed", type=_int(0), default=0)
-    b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    b.add_argument("--token-prompts", action="store_true", help="prompts as lists of exactly --prompt-len token ids")
-    b.add_argument("--timeout", type=_float(0.0, low_open=True), default=600.0, help="seconds per request")
-    b.add_argument("--warmup", action="store_true",
-                   help="send every prompt once, all at once and untimed, before the first rate (what `bench "
-                        "--warmup` does offline: the server's first-time costs, such as CUDA graph captures, "
-                        "are then out of the numbers)")
-    b.add_argument("--no-progress", action="store_true")
-    b.add_argument("--out", required=True, help="folder for bench_serve.json and bench_serve.png")
-    b.add_argument("--label", default=None, help="this run's name in the JSON and the figure (default: host:port)")
-    b.set_defaults(func=bench_serve_cmd)
-
-
 def main(argv=None) -> None:
     p = _Parser(prog="python -m minibatch", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -394,7 +248,7 @@ def main(argv=None) -> None:
                    help="requests arrive spread over the first STEPS steps instead of all at once")
     b.add_argument("--warmup", action="store_true",
                    help="an untimed run of each mode first (and of each transformers mode, with --hf)")
-    b.add_argument("--cuda-graphs", choices=["auto", "on", "off", "decode"], default="auto",
+    b.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
                    help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--hf", type=_hf_modes, nargs="?", const=["default"], default=None, metavar="MODES",
@@ -413,7 +267,7 @@ def main(argv=None) -> None:
                         "Decode-layout steps only: CUDA")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
-    _add_serving(sub)
+    add_serving(sub)
     args = p.parse_args(argv)
     if args.cmd == "bench" and args.hf_memory is not None and args.hf in (None, ["default"]):  # else silently unused
         p.error("--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES (e.g. --hf all)")
