@@ -96,7 +96,8 @@ GENERATE_CASES = [
     (dict(on_step=5), TypeError, "on_step must be a function"),
     (dict(progress="no"), TypeError, "progress must be True or False"),
     (dict(cuda_graphs="on"), TypeError, "cuda_graphs must be True, False, \"decode\" or None"),
-    (dict(compile=1), TypeError, "compile must be True or False"),
+    (dict(compile=1), TypeError, "compile must be True, False or \"dynamic\""),
+    (dict(compile="dynamc"), TypeError, "compile must be True, False or \"dynamic\", got .dynamc."),
     (dict(mode=None), ValueError, "unknown mode"),
     (dict(eos_token_id=1.5), TypeError, "eos_token_id must be an int"),
     (dict(eos_token_id=True), TypeError, "eos_token_id must be an int"),
@@ -108,6 +109,7 @@ GENERATE_CASES = [
     (dict(max_batch_size=10**8, max_batch_tokens=10**8), ValueError, "Lower max_batch_tokens or max_batch_size"),
 ]
 GENERATE_CASES.append((dict(cuda_graphs=True), ValueError, "cuda_graphs=True needs a CUDA model"))  # a CPU model
+GENERATE_CASES.append((dict(compile="dynamic"), ValueError, "compile='dynamic' is for CUDA models"))
 
 
 @pytest.mark.parametrize("kwargs, error, words", GENERATE_CASES, ids=lambda x: repr(x)[:40])

@@ -112,6 +112,29 @@ def test_one_compile_serves_every_context_length_with_the_triton_attention():
     engine.close()
 
 
+def test_a_dynamic_rows_compile_serves_every_batch_size_once():
+    """compile="dynamic" (what a server runs): requests arriving step by step take the batch through
+    several row buckets, all served by one compile; sync and async agree in bf16."""
+    from torch._dynamo.utils import counters
+
+    model = minibatch.load_model("random-llama", device="cuda")
+    work = prompts(10, model.vocab_size, seed=8)
+    kw = dict(max_new_tokens=24, max_batch_size=16, max_batch_tokens=512, temperature=0.0,
+              arrival_steps=[0, 2, 4, 6, 8, 10, 12, 14, 16, 18])
+    engine = minibatch.Engine(model)
+    before = counters["stats"]["unique_graphs"]
+    sync = engine.generate(work, mode="sync", compile="dynamic", **kw)
+    compiled = engine._compiled
+    assert compiled.dynamic_rows and {s[0] for s in compiled.shapes} == {None}
+    (resources,) = engine.kept.values()
+    rows = {c["key"][5] for c in resources.runner.captures} - {0}  # decode_rows (slots.bound_args' key)
+    assert len(rows) >= 4 and 1 not in rows  # several batch sizes; a single row is padded to two
+    assert counters["stats"]["unique_graphs"] - before == 1  # one compile for all of them
+    assert engine.generate(work, mode="async", compile="dynamic", **kw) == sync
+    assert counters["stats"]["unique_graphs"] - before == 1
+    engine.close()
+
+
 def test_bf16_sync_and_async_with_graphs_agree():
     """bf16: sync and async replay the same graphs on the same shapes, so they agree exactly.
 

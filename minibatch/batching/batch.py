@@ -75,6 +75,14 @@ class Batch:
     def num_sampled(self) -> int:
         return self.logits_indices.shape[0]
 
+    def rows(self):
+        """Decode rows (0: not the decode layout), as the model's forward reads them. A compiled step
+        with a dynamic row count (runner/compiled.py) sets decode_rows to DYNAMIC_ROWS, so that the
+        count comes from a tensor's length, which torch.compile can keep symbolic, and not from a
+        Python int, which it would compile each value of anew: in the decode layout every row is one
+        token, so the count is the number of tokens."""
+        return self.input_ids.shape[0] if self.decode_rows == DYNAMIC_ROWS else self.decode_rows
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         moved = {n: getattr(self, n).to(device, non_blocking=non_blocking) for n in TENSOR_FIELDS}
         return Batch(**moved, **self.layout())
@@ -83,6 +91,9 @@ class Batch:
         """The non-tensor fields (LAYOUT_FIELDS): what a step's shapes and code path depend on."""
         return {n: getattr(self, n) for n in LAYOUT_FIELDS}
 
+
+#: decode_rows of a batch whose row count a compiled step reads from its tensors (Batch.rows)
+DYNAMIC_ROWS = -1
 
 #: the host-side layout facts that travel with a batch but are not tensors
 LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded")

@@ -38,7 +38,7 @@ class Shape(NamedTuple):
     rows: int
     num_slots: int
     cuda_graphs: bool | str  # True, False or "decode" (decode steps only)
-    compiled: bool = False
+    compiled: bool | str = False  # False, True or "dynamic" (one compile for every row count: compiled.py)
     decode: tuple = ()  # the model's decode attention and key bucket: graphs captured with others don't fit
 
 
@@ -64,9 +64,15 @@ def serving_config(model, mode: str = "async", *, max_batch_size: Any = 8, max_b
     graphs every step: a serving run's prefill and mixed steps take their shapes from when requests
     happened to arrive, so most of those shapes come up a few times at most, and capturing one (an
     eager run, a drained device, the capture, the replay) costs more than its replays save. Decode
-    shapes recur for as long as the batch keeps its size. Measured in BENCHMARKS.md (Serving)."""
+    shapes recur for as long as the batch keeps its size. Measured in BENCHMARKS.md (Serving).
+
+    `compile=True` means "dynamic" here: one compile of the decode step for every row count
+    (runner/compiled.py), where a static compile per row count would stall every request each time
+    the traffic brings a batch size it has not seen."""
     if limits.get("cuda_graphs") is None and model.device.type == "cuda":
         limits["cuda_graphs"] = "decode"
+    if limits.get("compile") is True and model.device.type == "cuda":  # (elsewhere refused below, as asked)
+        limits["compile"] = "dynamic"
     max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
     context = model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
     if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
@@ -92,9 +98,9 @@ def make_config(model, mode: str, lengths: list[int], max_new_tokens: int, *, ma
     if max_batch_tokens < max_batch_size:
         raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
                          "every running request needs room for its decode token")
-    _bool("compile", compile)
+    compile = _compile(compile)
     if compile and not cuda:
-        raise ValueError(f"compile=True is for CUDA models; this model is on {model.device} (the CPU path stays "
+        raise ValueError(f"compile={compile!r} is for CUDA models; this model is on {model.device} (the CPU path stays "
                          "eager: compiling would take longer than the tiny model's whole run)")
     cuda_graphs = _cuda_graphs(cuda_graphs, cuda, model.device)
     num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)
@@ -126,6 +132,12 @@ def _block_size(model, block_size: Any) -> int:
             raise ValueError(f"{exc}: the model's context (max_position_embeddings={context}) is the limit, as a "
                              "KV block serves one request") from None
         raise
+
+
+def _compile(compile: Any) -> bool | str:
+    if compile != "dynamic" and not isinstance(compile, bool):
+        raise TypeError(f'compile must be True, False or "dynamic", got {compile!r}')
+    return compile
 
 
 def _cuda_graphs(cuda_graphs: Any, cuda: bool, device) -> bool | str:

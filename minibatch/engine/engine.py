@@ -172,7 +172,7 @@ class Engine:
                  max_batch_size: int | None = None, max_batch_tokens: int = 256, block_size: int = 16,
                  num_blocks: int | None = None, progress: bool = False,
                  arrival_steps: Sequence[int] | None = None, on_step: Callable | None = None,
-                 cuda_graphs: bool | str | None = None, compile: bool = False, num_slots: int | None = None,
+                 cuda_graphs: bool | str | None = None, compile: bool | str = False, num_slots: int | None = None,
                  allow_races: bool = False, inject_delays: dict[str, float] | None = None,
                  timeout: float | None = 600.0) -> list[list[int]]:
         """Continue every prompt; return the new tokens of each, in prompt order.
@@ -189,7 +189,8 @@ class Engine:
         which prompt i reaches the scheduler, to simulate requests arriving while the loop runs.
         `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (runner/graphs.py); "decode" keeps
         prefill and mixed steps eager and unpadded, as they were before they could be graphs.
-        `compile=True` (CUDA only) runs decode steps through torch.compile first (runner/compiled.py).
+        `compile=True` (CUDA only) runs decode steps through torch.compile first, one compile per decode
+        shape; `compile="dynamic"` one for every row count (runner/compiled.py).
         `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
         seconds slept on that stream before each step's work) exist to show the race of notebook 04: one
         slot in the async loop gives wrong tokens, so it needs `allow_races=True` as well.
@@ -337,7 +338,9 @@ class Engine:
         model, dev = self.model, self.dev
         compiled = None
         if shape.compiled:
-            self._compiled = self._compiled or CompiledStep(model)
+            dynamic = shape.compiled == "dynamic"
+            if self._compiled is None or self._compiled.dynamic_rows != dynamic:
+                self._compiled = CompiledStep(model, dynamic_rows=dynamic)
             compiled = self._compiled
         cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
         slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]

@@ -58,7 +58,7 @@ class PagedMeta:
         """[R, 1, 1, L] bool: may row r's query see key l of its row (decode layout)? Built once per forward."""
         key = ("decode", sliding_window)
         if key not in self._masks:
-            b, rows = self.batch, self.batch.decode_rows
+            b, rows = self.batch, self.batch.rows()
             q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
             ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
             if sliding_window:
@@ -100,7 +100,7 @@ def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
     [kv_heads, group] and matched with their shared key/value head inside the einsum.
     """
     b = meta.batch
-    rows, (_, heads, _, dim) = b.decode_rows, query.shape
+    rows, (_, heads, _, dim) = b.rows(), query.shape
     kv_heads = keys.shape[1]
     q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
     k = keys.view(rows, -1, kv_heads, dim)  # [R, L, KVH, D]
@@ -121,7 +121,7 @@ def _decode_attention_sdpa(query, keys, values, meta: PagedMeta, window, scaling
     keeps the scores in registers, and needs no float32 [R, H, L] tensor in memory.
     """
     b = meta.batch
-    rows, (_, heads, _, dim) = b.decode_rows, query.shape
+    rows, (_, heads, _, dim) = b.rows(), query.shape
     kv_heads = keys.shape[1]
     q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
     k = keys.view(rows, -1, kv_heads, dim).transpose(1, 2)  # [R, KVH, L, D]

@@ -154,7 +154,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
     return paged_decode(query, k_cache, v_cache, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions,
-                        batch.decode_rows, int(window or 0), float(scaling or dim**-0.5), splits or 0)
+                        batch.rows(), int(window or 0), float(scaling or dim**-0.5), splits or 0)
 
 
 # Why a custom operator: torch.compile, tracing into a Triton launch, re-specializes it and passes the

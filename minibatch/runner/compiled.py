@@ -2,16 +2,23 @@
 
 `CompiledStep` is what `generate(compile=True)` runs for decode steps; the step runner
 (runner/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
-gate/up run as one matrix product each (siblings.py).
+gate/up run as one matrix product each (siblings.py). `compile="dynamic"` (what a server uses) compiles
+one step for every row count instead of one per row count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
+from ..batching.batch import DYNAMIC_ROWS
 from ..compat import mark_dynamic, raise_recompile_limit
+
+# a decode batch's tensors with one entry per row (in the decode layout a row is one token)
+ROW_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "logits_indices", "temperature", "top_k",
+              "top_p", "seed", "counter")
 
 
 class CompiledStep:
@@ -32,14 +39,24 @@ class CompiledStep:
     the eager step's (other kernels round differently): compare compiled runs with compiled runs.
     With `merge` (the default) q/k/v and gate/up run as one matrix product each (siblings.py); its
     bf16 tokens may differ from an unmerged compiled step's for the same reason.
+
+    `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
+    compile serves every decode batch of two rows or more, and one more serves a single row
+    (torch.compile specializes sizes 0 and 1). Why: a server's batch size follows its traffic, and
+    with static shapes each new row bucket compiles while every request waits (tens of seconds for an
+    8B model: BENCHMARKS.md, Serving). Still deterministic: which kernels serve a shape does not depend
+    on the order shapes come up in, since no shape is ever compiled statically; the kernels are general
+    ones, so bf16 tokens may differ from a static compile's. The row count reaches the model through
+    `Batch.rows()` (batch.py), read from a tensor's length instead of the Python int `decode_rows`.
     """
 
-    def __init__(self, model, mode: str | None = None, merge: bool = True) -> None:
+    def __init__(self, model, mode: str | None = None, merge: bool = True, dynamic_rows: bool = False) -> None:
         self.model = model
         self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
         # one matrix product for sibling projections (q/k/v, gate/up) whose weights Model stacked: siblings.py
         self.merge = merge
         self.attention = model.decode_attention
+        self.dynamic_rows = dynamic_rows
         self.shapes: set[tuple] = set()
         self._fn = None
 
@@ -53,19 +70,25 @@ class CompiledStep:
     @property
     def dynamic_keys(self) -> bool:
         """Whether one compile serves every number of keys per row (see the class doc)."""
-        return self.attention == "triton"
+        return self.attention == "triton" or self.dynamic_rows
 
     def __call__(self, batch, cache) -> torch.Tensor:
-        width = None if self.dynamic_keys else batch.kv_indices.shape[0] // batch.decode_rows
-        shape = (batch.decode_rows, width, batch.all_greedy, cache.num_cells, batch.unfiltered)
+        rows = batch.decode_rows
+        width = None if self.dynamic_keys else batch.kv_indices.shape[0] // rows
+        symbolic = self.dynamic_rows and rows > 1
+        shape = (None if symbolic else rows, width, batch.all_greedy, cache.num_cells, batch.unfiltered)
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)
-            print(f"torch.compile: decode step for {shape[0]} rows x {keys} keys"
+            print(f"torch.compile: decode step for {'any number of' if symbolic else rows} rows x {keys} keys"
                   f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
         if self.dynamic_keys:
             for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
                 mark_dynamic(t, 0)
+        if symbolic:
+            for name in ROW_FIELDS:
+                mark_dynamic(getattr(batch, name), 0)
+            batch = dataclasses.replace(batch, decode_rows=DYNAMIC_ROWS)
         if self._fn is None:
             raise_recompile_limit(64)  # one compile per shape: room for a few dozen
             if self.merge:

@@ -66,6 +66,8 @@ class StepRunner:
     def build(self, plan: BatchPlan):
         # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
         rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
+        if rows and self.compiled is not None and self.compiled.dynamic_rows:
+            rows = rows[1:]  # one row padded to two: torch.compile would specialize a single row (compiled.py)
         # steps compiled for a fixed number of keys compile once per shape: coarser key buckets
         coarse = self.compiled is not None and not self.compiled.dynamic_keys
         decode_bucket = self.model.kv_bucket if coarse else self.model.decode_kv_bucket

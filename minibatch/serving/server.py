@@ -170,10 +170,17 @@ async def _handle(state: ServerState, request, chat: bool):
     return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, s.text or "", finish, use))
 
 
+# the sampling variants a decode step compiles for (greedy, sampled, sampled with top-k/top-p: sampling.py)
+_VARIANTS = (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=8))
+
+
 def _warm_up(state: ServerState) -> None:
-    """One short request before the server says it is ready, so the first client pays no first-step cost."""
+    """Short requests before the server says it is ready, so the first clients pay no first-step cost:
+    one, or with --compile one per sampling variant, one after the other (a batch mixing them is a
+    variant of its own), so that each is compiled before a client waits on it."""
     ids = list(range(1, min(9, state.model.vocab_size)))
-    state.engine.submit(ids, max_new_tokens=2, temperature=0.0, seed=0).wait()
+    for variant in _VARIANTS if state.serving.get("compile") else _VARIANTS[:1]:
+        state.engine.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
 
 
 def create_app(state: ServerState):
@@ -271,10 +278,9 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
             await super().serve(sockets)
 
     if serving.get("compile"):
-        print("minibatch: warning: with --compile, each decode batch size (row bucket) compiles the first time it "
-              "comes up, and the serving loop, with every request in it, waits for that compile (tens of "
-              "seconds for a large model; BENCHMARKS.md, Serving); CUDA graphs alone compile nothing",
-              file=sys.stderr, flush=True)
+        print("minibatch: compiling the decode step before the server is ready: once for each sampling variant "
+              "(greedy, sampled, top-k/top-p), every batch size in one compile; torch's on-disk cache makes the "
+              "next start shorter", file=sys.stderr, flush=True)
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1000)
     server = Server(config)

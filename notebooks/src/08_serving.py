@@ -398,10 +398,14 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # engine's timeline, with each request's arrival as a mark, when the server stops, so the next run
 # can show where the time went, with the plots of notebook 06.
 #
-# `--compile` is the other lesson: torch.compile compiles a decode step once per batch size, the
-# first time that size comes up. Offline, a warm-up pass does that before timing. A server meets
-# each size mid-run, with every request waiting, and its first rate-inf run streamed
-# 87 <!-- from figures/data/headline.json: serving_graphs.compile_inf_tok_s --> tokens per second while its batch sizes compiled one by one.
+# `--compile` is the other lesson. Offline, `compile=True` compiles a decode step once per batch size,
+# the first time that size comes up, and a warm-up pass does that before timing. A server meets
+# each size mid-run, with every request waiting: compiled that way, its first rate-inf run streamed
+# 87 <!-- from figures/data/headline.json: serving_graphs.compile_inf_tok_s --> tokens per second while its batch sizes compiled one by one. So a server compiles
+# with `compile="dynamic"`: the batch size stays a symbol in the compiled code (it reaches the model
+# as a tensor's length, `Batch.rows()`, not as a Python number that torch.compile would bake in), one
+# compile serves every size, and the server does it before it says it is ready, once per sampling
+# variant (greedy, sampled, top-k/top-p). How fast that compiled code runs on a GPU is not measured yet.
 #
 # ## Summary
 #
