@@ -79,7 +79,10 @@ def test_bench_beside_transformers_and_the_floor(tmp_path, capsys):
 def test_compile_modes_need_a_gpu(capsys):
     code, _, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--modes",
                             "sync,async+compile", "--no-progress")
-    assert code == 2 and "+compile modes need a CUDA model" in err
+    assert code == 2 and "+compile and +dynamic modes need a CUDA model" in err
+    code, _, err = run_here(capsys, "bench", "--model", "random-llama", "--device", "cpu", "--modes",
+                            "async+dynamic", "--no-progress")
+    assert code == 2 and "+compile and +dynamic modes need a CUDA model" in err
     code, _, err = run_here(capsys, "bench", "--modes", "async+turbo")
     assert code != 0 and "unknown mode 'async+turbo'" in err
 

@@ -45,9 +45,21 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
+#: a mode's suffix -> generate's `compile`: once per decode shape, or once for every row count
+COMPILE_SUFFIXES = {"+compile": True, "+dynamic": "dynamic"}
+
+
+def split_mode(mode: str) -> tuple[str, bool | str]:
+    """"async+dynamic" -> ("async", "dynamic"); "sync" -> ("sync", False)."""
+    for suffix, compile in COMPILE_SUFFIXES.items():
+        if mode.endswith(suffix):
+            return mode.removesuffix(suffix), compile
+    return mode, False
+
+
 def run_mode(model: Model | Engine, prompts, mode: str, max_new_tokens: int, **kw) -> tuple[Result, Timeline, list]:
-    """One timed run of `prompts` in `mode` ("sync", "async", each optionally "+compile"). Pass an Engine
-    to keep its resources (and CUDA graphs) from one run to the next."""
+    """One timed run of `prompts` in `mode` ("sync", "async", each optionally "+compile" or "+dynamic":
+    `split_mode`). Pass an Engine to keep its resources (and CUDA graphs) from one run to the next."""
     tl = Timeline()
     decode_steps: set[int] = set()  # steps in which every chunk is one decode token
 
@@ -55,10 +67,10 @@ def run_mode(model: Model | Engine, prompts, mode: str, max_new_tokens: int, **k
         if all(c.num_tokens == 1 and c.start >= len(c.request.prompt) for c in plan.chunks):
             decode_steps.add(plan.step)
 
-    base = mode.removesuffix("+compile")
+    base, compile = split_mode(mode)
     t0 = time.perf_counter()
     outs = generate(model, prompts, max_new_tokens=max_new_tokens, mode=base, timeline=tl, on_step=on_step,
-                    compile=base != mode, **kw)
+                    compile=compile, **kw)
     wall = time.perf_counter() - t0
     steps = len({s.step for s in tl.spans if s.step >= 0})
     n = sum(len(o) for o in outs)

@@ -39,10 +39,11 @@ def _modes(arg: str) -> list[str]:
     modes = [m for m in arg.split(",") if m]
     if not modes:
         raise argparse.ArgumentTypeError("needs at least one of sync, async")
+    from .bench import split_mode
     for m in modes:
-        if m.removesuffix("+compile") not in MODES:
+        if split_mode(m)[0] not in MODES:
             raise argparse.ArgumentTypeError(f"unknown mode {m!r} (choose from {', '.join(MODES)}, each "
-                                             "optionally with +compile, e.g. async+compile)")
+                                             "optionally with +compile or +dynamic, e.g. async+compile)")
     return modes
 
 
@@ -171,13 +172,14 @@ def bench_cmd(args) -> None:
     if args.arrivals:  # prompt i reaches the server at step i * arrivals / n: prefill steps all along the run
         kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
         workload["arrivals"] = args.arrivals
-    if any(m.endswith("+compile") for m in args.modes) and model.device.type != "cuda":
-        raise ValueError("+compile modes need a CUDA model (decode steps through torch.compile)")
+    compiled = {m: bench.split_mode(m)[1] for m in args.modes}
+    if any(compiled.values()) and model.device.type != "cuda":
+        raise ValueError("+compile and +dynamic modes need a CUDA model (decode steps through torch.compile)")
     engine = Engine(model)  # one engine for every mode: CUDA graphs are captured once, in the warm-up
     if args.warmup:  # untimed: first launches, cuDNN plans, compiles and (graphs on) the CUDA graph captures
         for mode in args.modes:
             # full workload where shapes get captured or compiled, so none is left for the timed run
-            full = model.device.type == "cuda" and (args.cuda_graphs != "off" or mode.endswith("+compile"))
+            full = model.device.type == "cuda" and (args.cuda_graphs != "off" or bool(compiled[mode]))
             few = {k: v[:4] if k == "arrival_steps" else v for k, v in kw.items()}
             bench.run_mode(engine, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
                            **{**(kw if full else few), "progress": False})
@@ -208,9 +210,8 @@ def bench_cmd(args) -> None:
     print(bench.format_table(results))
     if len(outs) > 1:
         first = args.modes[0]
-        first_compiled = next((m for m in args.modes if m.endswith("+compile")), first)
-        for mode, o in outs.items():
-            ref = first_compiled if mode.endswith("+compile") else first  # same kernels, same rounding
+        for mode, o in outs.items():  # against the first mode of the same compile: same kernels, same rounding
+            ref = next((m for m in args.modes if compiled[m] == compiled.get(mode, False)), first)
             same = sum(a == b for a, b in zip(o, outs[ref]))
             print(bench.agreement_line(mode, ref, same, len(o), model.dtype))
     print(bench.summary(results))
@@ -237,7 +238,8 @@ def main(argv=None) -> None:
     b.add_argument("--model", default="tiny")
     b.add_argument("--device", default="auto")
     b.add_argument("--modes", type=_modes, default=["sync"],
-                   help="comma-separated: sync, async, sync+compile, async+compile (compile: CUDA only)")
+                   help="comma-separated: sync, async, each optionally +compile (decode steps through torch.compile, "
+                        "once per batch size) or +dynamic (once for every batch size); compile: CUDA only")
     b.add_argument("--num-prompts", type=_int(1), default=32)
     b.add_argument("--prompt-len", type=_int(1), default=64)
     b.add_argument("--max-new-tokens", type=_int(1), default=64)

@@ -35,7 +35,8 @@
 #       accelerate psutil
 # ); about 20 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE,
 # NUM_PROMPTS, LEN, RATES, COMPILE=0 shrink it for a dry run on a CPU (e.g. MODEL=random-llama DEVICE=cpu
-# NUM_PROMPTS=8 LEN=32 COMPILE=0); MAX_BATCH (default NUM_PROMPTS) caps the batch, e.g. for NUM_PROMPTS=256,
+# NUM_PROMPTS=8 LEN=32 COMPILE=0); OFFLINE_MODES (default sync,async) the offline engine's modes, e.g.
+# async,async+compile,async+dynamic; MAX_BATCH (default NUM_PROMPTS) caps the batch, e.g. for NUM_PROMPTS=256,
 # whose batch of 256 whole-context requests would not fit in the KV cache.
 set -uo pipefail
 out=${1:?usage: serve_bench.sh OUTDIR}
@@ -137,7 +138,7 @@ fi
 
 if want offline; then
 echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
-python3 -m minibatch bench --model "$folder" --device "$device" --modes sync,async --num-prompts "$n" \
+python3 -m minibatch bench --model "$folder" --device "$device" --modes "${OFFLINE_MODES:-sync,async}" --num-prompts "$n" \
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
 python3 scripts/timeline_bursts.py "$out/offline/timeline_async.json" | tee -a "$out/bursts.txt"
