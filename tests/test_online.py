@@ -365,3 +365,44 @@ def test_online_equals_offline_on_the_gpu(mode):
         stats = engine.stats()
         assert engine.loop.run.runner.capacity is None  # prefill and mixed steps unpadded: never graphed
     assert stats["graph_captures"] > 0 and stats["graph_capture_s"] > 0, stats
+
+
+def test_an_update_wakes_each_event_loop_once():
+    """Loop.deliver gathers the wake-ups of every stream a step fed (stream.Wakeups): an asyncio reader
+    costs the engine's thread one call_soon_threadsafe per event loop and update, not one per stream."""
+    from minibatch.engine.stream import Chunk, Stream, Wakeups
+
+    loop = asyncio.new_event_loop()
+    calls = []
+    threadsafe = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (calls.append(a[0]), threadsafe(*a))[1]
+    streams = [Stream(i, 1) for i in range(5)]
+    got = {s.rid: [] for s in streams}
+
+    async def read(s):
+        async for c in s:
+            got[s.rid] += c.token_ids
+
+    async def read_all():
+        await asyncio.gather(*(read(s) for s in streams))
+
+    reader = threading.Thread(target=loop.run_until_complete, args=(read_all(),))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while sum(len(s._async_waiters) for s in streams) < 5:  # every reader waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    wakeups = Wakeups()
+    for s in streams:
+        s.put(Chunk([7]), time.perf_counter(), wakeups)
+    assert calls == []  # nothing woken before send
+    wakeups.send()
+    while sum(len(s._async_waiters) for s in streams) < 5:  # every reader back, waiting for more
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(calls) == 1 and all(t == [7] for t in got.values())
+    for s in streams:  # without a Wakeups: each put wakes its reader at once
+        s.put(Chunk([8], "", "length"), time.perf_counter())
+    reader.join(10)
+    assert not reader.is_alive() and len(calls) == 6 and all(t == [7, 8] for t in got.values())
+    loop.close()

@@ -82,7 +82,8 @@ class Server:
 def servers():
     """Both servers start at once (start-up is mostly imports and loading: they overlap)."""
     big = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64")
-    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE)
+    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE,
+                   "--loop", "asyncio", "--http", "h11")  # the plain stack; the big one takes what is installed
     try:
         yield big.wait_ready(), small.wait_ready()
     finally:
@@ -124,6 +125,15 @@ def _expected(offline, prompt, n):
     ids = offline([prompt], n)[0]
     eos = offline.tokenizer.eos_token_id
     return offline.tokenizer.decode(ids), ("stop" if ids and ids[-1] == eos else "length")
+
+
+def test_the_ready_line_names_the_event_loop_and_the_http_parser(servers):
+    import importlib.util
+
+    big, small = servers
+    fast = importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")
+    assert ("event loop uvloop, HTTP httptools" if fast else "HTTP h11") in big.output()
+    assert "event loop asyncio, HTTP h11); ready" in small.output()
 
 
 def test_models_and_health(server):

@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from ..batching.requests import Request, RequestState
-from .stream import Chunk, Detokenizer, Stream
+from .stream import Chunk, Detokenizer, Stream, Wakeups
 
 
 class QueueFull(RuntimeError):
@@ -99,7 +99,15 @@ class Loop:
                 self._end(request, stream, Chunk([], "", "cancelled"))
 
     def deliver(self, plan, done) -> None:
-        """After an update: each online request's new tokens to its stream (called by the step)."""
+        """After an update: each online request's new tokens to its stream (called by the step); the
+        event loops reading them are woken once, at the end (stream.Wakeups)."""
+        wakeups = Wakeups()
+        try:
+            self._deliver(plan, wakeups)
+        finally:
+            wakeups.send()
+
+    def _deliver(self, plan, wakeups: Wakeups) -> None:
         now, scheduler = time.perf_counter(), self.run.scheduler
         for chunk in plan.sampling_chunks:
             r = chunk.request
@@ -114,14 +122,15 @@ class Loop:
             if detok.stopped and r.state is not RequestState.FINISHED:
                 scheduler.finish(r, "stop")
             if r.finish_reason is None:
-                stream.put(Chunk(new, text), now)
+                stream.put(Chunk(new, text), now, wakeups)
             else:
                 text += detok.flush()
-                self._end(r, stream, Chunk(new, text, "stop" if detok.stopped else r.finish_reason), now)
+                self._end(r, stream, Chunk(new, text, "stop" if detok.stopped else r.finish_reason), now, wakeups)
 
-    def _end(self, request: Request, stream: Stream, chunk: Chunk, now: float | None = None) -> None:
+    def _end(self, request: Request, stream: Stream, chunk: Chunk, now: float | None = None,
+             wakeups: Wakeups | None = None) -> None:
         self.streams.pop(request, None)
-        stream.put(chunk, time.perf_counter() if now is None else now)
+        stream.put(chunk, time.perf_counter() if now is None else now, wakeups)
 
     # --- the background thread --------------------------------------------------------------------
     def start_thread(self) -> None:

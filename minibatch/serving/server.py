@@ -20,6 +20,7 @@ Notebook 08 explains the server; bench_serve.py measures it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -46,6 +47,7 @@ class ServerState:
     def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None):
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
         self.timeline_path = timeline_path
+        self.http = "auto"  # uvicorn's HTTP parser, as serve was asked for it
         self.engine = None
         self.open: set = set()  # streams not yet finished or given up
         self.cancelled = 0  # requests cancelled because their client hung up
@@ -183,6 +185,14 @@ def _warm_up(state: ServerState) -> None:
         state.engine.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
 
 
+def _http_stack(http: str) -> str:
+    """Which event loop and HTTP parser uvicorn runs (for "auto": what uvicorn found installed)."""
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    if http == "auto":
+        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"event loop {loop}, HTTP {http}"
+
+
 def create_app(state: ServerState):
     """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
     from ..engine.engine import SERVING_TIMELINE_LIMIT, Engine
@@ -196,8 +206,8 @@ def create_app(state: ServerState):
             with Engine(state.model) as engine, engine.serving(**state.serving, timeline=timeline):
                 state.engine = engine
                 await asyncio.to_thread(_warm_up, state)
-                print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device}; "
-                      "ready", file=sys.stderr, flush=True)
+                print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
+                      f"({_http_stack(state.http)}); ready", file=sys.stderr, flush=True)
                 try:
                     yield
                 finally:
@@ -252,19 +262,28 @@ def model_eos(model):
 
 
 def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch_interval_ms: float | None = None,
-          timeline: str | None = None, **serving) -> int:
+          timeline: str | None = None, loop: str = "auto", http: str = "auto", **serving) -> int:
     """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed).
     Bad serving limits raise here, before the server listens (the engine checks them again as it opens).
     `timeline`: a file the engine's Timeline is written to as the server stops (every step's spans and
-    each request's arrival, the most recent 100,000 to 200,000 spans; `Timeline.load` reads it back)."""
+    each request's arrival, the most recent 100,000 to 200,000 spans; `Timeline.load` reads it back).
+    `loop` and `http`: uvicorn's event loop and HTTP parser; "auto" takes uvloop and httptools where
+    they are installed (the `serve` extra installs them), which cost the HTTP thread about a quarter less
+    CPU per streamed token than asyncio's loop and the pure-Python h11 (BENCHMARKS.md, Serving); that
+    thread shares the interpreter, and so the GIL, with the engine's loop."""
     from ..engine.config import serving_config
 
     serving_config(model, **{k: v for k, v in serving.items() if k != "max_queue"})  # max_queue: the loop's own
     import uvicorn
 
+    for option, value, module in (("loop", loop, "uvloop"), ("http", http, "httptools")):
+        if value == module and importlib.util.find_spec(module) is None:
+            raise ValueError(f"--{option} {module} needs the {module} package (pip install {module}, or "
+                             "minibatch's serve extra)")
     state = ServerState(model, name, model_eos(model), serving, timeline)
+    state.http = http
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=1)
+                            lifespan="on", timeout_graceful_shutdown=1, loop=loop, http=http)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -30,7 +30,7 @@
 # Needs: a CUDA GPU with ~60 GB free, ~20 GB of disk, fastapi, uvicorn and openai (wheels: set WHEELS=DIR to
 # install them from there without a network; for a Python 3.12 machine, fetch them elsewhere with
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
-#       fastapi uvicorn "openai<3" "httpx<1" rich
+#       fastapi uvicorn httptools uvloop "openai<3" "httpx<1" rich
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d DIR \
 #       accelerate psutil
 # ); about 20 minutes for everything, so split it with PARTS where one command has a shorter limit. MODEL, DEVICE,
@@ -54,7 +54,7 @@ for p in $parts; do  # a misspelt part would otherwise measure nothing, silently
   esac
 done
 if [ -n "${WHEELS:-}" ]; then  # rich and accelerate: what `transformers serve` needs beyond the server itself
-  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn openai rich accelerate; fi
+  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn httptools uvloop openai rich accelerate; fi
 python3 -c "import fastapi, uvicorn, openai" || { echo "needs fastapi, uvicorn and openai (set WHEELS=DIR)"; exit 1; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/versions.txt"
