@@ -104,7 +104,9 @@ with engine.serving(mode="async", max_batch_size=8):
 # The stream stopped at `"\n\n"` if the text held one (the text ends before the stop string),
 # else after 48 tokens. A stream keeps its chunks, so a reader that starts late misses nothing,
 # and `async for chunk in s` does the same from asyncio without ever blocking the event loop (the
-# engine's thread wakes the event loop through `call_soon_threadsafe`).
+# engine's thread wakes the event loop through `call_soon_threadsafe`, once per step for all the
+# streams that step fed: each call is a system call and a turn of the event loop, and a server
+# streaming to 64 clients would otherwise pay 64 of them per step).
 #
 # Requests come and go while others run. Below, three requests are submitted at different moments
 # from a thread of their own, and one is cancelled halfway; every request still gives exactly the
