@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -423,6 +424,28 @@ def test_nan_weights_are_reported(good_folder, tmp_path):
     path = hostile(good_folder, tmp_path, change)
     with pytest.warns(UserWarning, match="NaN or infinite weights"):
         minibatch.load_model(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_single_bad_weight_anywhere_is_reported(dtype, value):
+    """The check reads every element of every CPU weight, the last one of a large weight included."""
+    from minibatch.model.checks import check_finite
+
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64)).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_finite(hf, "clean")  # nothing to say: finite throughout, large values included
+        with torch.no_grad():
+            hf.model.layers[0].mlp.up_proj.weight.fill_(-65504.0)
+        check_finite(hf, "clean")
+    weight = hf.model.layers[0].mlp.up_proj.weight  # 262,144 elements: past any sampled prefix
+    with torch.no_grad():
+        weight.view(-1)[-1] = value
+    with pytest.warns(UserWarning, match=r"NaN or infinite weights in model\.layers\.0\.mlp\.up_proj\.weight"):
+        check_finite(hf, "broken")
 
 
 UNDER_LIMIT = """

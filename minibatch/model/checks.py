@@ -126,15 +126,34 @@ def check_config_size(config, dtype: torch.dtype, device: torch.device, path: st
                          f"{vocab}), {need / 1e9:.3g} GB in {dtype}, but {free / 1e9:.1f} GB are free on {device}")
 
 
+# a float's bits -> NaN or inf where every exponent bit is set: (integer view, exponent mask)
+_EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80),
+                  torch.float16: (torch.int16, 0x7C00), torch.float64: (torch.int64, 0x7FF0000000000000)}
+_HOST_CHUNK = 1 << 20  # elements per numpy pass: bounded temporaries
+
+
+def _host_finite(p: torch.Tensor) -> bool:
+    """Every element of a CPU weight finite, checked by numpy on this thread.
+
+    Not torch: a torch op above its grain size opens a parallel region (GNU OpenMP's thread team) in
+    this process, which would break torch in any later fork of it (a multiprocessing worker hangs or
+    fails at its own first parallel op). Views and `.numpy()` run nothing; numpy's bitwise ops are
+    single-threaded. A weight of another dtype, or not contiguous, is checked on its first elements
+    only (an op that small runs on this thread too)."""
+    bits = _EXPONENT_BITS.get(p.dtype)
+    if bits is None or not p.is_contiguous():
+        return bool(torch.isfinite(p.reshape(-1)[:_SERIAL]).all())
+    int_dtype, mask = bits
+    flat = p.detach().reshape(-1).view(int_dtype).numpy()
+    return not any(((flat[i:i + _HOST_CHUNK] & mask) == mask).any() for i in range(0, flat.size, _HOST_CHUNK))
+
+
 def check_finite(hf, name: str) -> None:
     """Warn about weights that hold NaN or inf: the logits would be NaN, and every sampled token 0."""
-    # on the CPU only the first elements of each weight: an op below torch's grain size runs on this thread,
-    # and a first parallel region (GNU OpenMP's thread team) in this process would break torch in any later
-    # fork of it (a multiprocessing worker hangs or fails at its own first parallel op). Enough for weights
-    # that are NaN throughout, as a broken conversion leaves them.
     with torch.no_grad():
-        flags = [torch.isfinite(p if p.is_cuda else p.reshape(-1)[:_SERIAL]).all() for p in hf.parameters()]
-        ok = torch.stack(flags).tolist() if flags else []  # one transfer, not one per parameter
+        gpu = [torch.isfinite(p).all() for p in hf.parameters() if p.is_cuda]
+        gpu_ok = iter(torch.stack(gpu).tolist() if gpu else [])  # one transfer, not one per parameter
+        ok = [next(gpu_ok) if p.is_cuda else _host_finite(p) for p in hf.parameters()]
     bad = [n for (n, _), good in zip(hf.named_parameters(), ok) if not good]
     if bad:
         warnings.warn(f"model {name!r} has NaN or infinite weights in {', '.join(bad[:3])}"
