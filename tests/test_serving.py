@@ -360,6 +360,11 @@ def test_full_queue_answers_503_then_sigterm_mid_stream_exits_0_fast(servers):
         stopped = re.search(r"minibatch: stopping; (\{.*\})", small.output())  # its last stats, steps counted
         assert stopped and "'steps': 0," not in stopped.group(1) and "'graph_captures': 0" in stopped.group(1), \
             small.output()
+        # the two threads' CPU since the server was ready: both served the requests above
+        cpu = re.search(r"since ready: ([\d.]+) s, CPU seconds of the HTTP thread ([\d.]+) and of the engine's "
+                        r"loop ([\d.]+)", small.output())
+        assert cpu and float(cpu.group(2)) > 0 and float(cpu.group(3)) > 0, small.output()
+        assert float(cpu.group(3)) < float(cpu.group(1)), small.output()  # CPU of one thread: within the wall
         # --timeline: the engine's steps and the requests' arrivals, written as it stopped
         timeline = minibatch.Timeline.load(TIMELINE)
         computed = {s.step for s in timeline.spans if s.lane == "compute"}

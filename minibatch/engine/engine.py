@@ -295,7 +295,9 @@ class Engine:
         without stopping the loop). A graph is captured the first time a step shape comes up: captures
         that keep growing under load are steps that ran slower than a replay would, and
         `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
-        compile=True also the torch.compile of a new shape, which happens in the warm-up step)."""
+        compile=True also the torch.compile of a new shape, which happens in the warm-up step).
+        `loop_cpu_s`: the CPU seconds the loop's thread has run (a server's HTTP thread shares the
+        interpreter's lock with it: together they tell how much of it was left)."""
         if self.loop is None:
             return {"serving": False}
         run = self.loop.run
@@ -304,7 +306,8 @@ class Engine:
                 "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
                 "waiting": len(s.waiting) + len(self.loop.inbox), "steps": s.step,
                 "graph_captures": len(run.runner.captures),
-                "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3)}
+                "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),
+                "loop_cpu_s": round(self.loop.cpu_s, 3)}
 
     @contextmanager
     def _exclusive(self):

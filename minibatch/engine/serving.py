@@ -44,6 +44,7 @@ class Loop:
         self.closing = False
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.cpu_s = 0.0  # CPU seconds the background thread has run (a server's GIL budget: stats())
         self.rids = itertools.count()
         run.listener = self.deliver
 
@@ -138,7 +139,7 @@ class Loop:
         self.thread.start()
 
     def _serve(self) -> None:
-        scheduler = self.run.scheduler
+        scheduler, started = self.run.scheduler, time.thread_time()
         try:
             while True:
                 with self.cond:  # sleep until there is something to do: a submit or a cancel wakes us
@@ -146,6 +147,7 @@ class Loop:
                     if self.closing:
                         return
                 self.turn()
+                self.cpu_s = time.thread_time() - started
         except BaseException as e:  # noqa: BLE001 — every reader must learn of it, not wait forever
             self.error = e
         finally:

@@ -208,11 +208,17 @@ def create_app(state: ServerState):
                 await asyncio.to_thread(_warm_up, state)
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
                       f"({_http_stack(state.http)}); ready", file=sys.stderr, flush=True)
+                ready = time.monotonic(), time.thread_time(), engine.stats()["loop_cpu_s"]
                 try:
                     yield
                 finally:
                     state.cancel_all()
-                    print(f"minibatch: stopping; {engine.stats()}", file=sys.stderr, flush=True)
+                    stats = engine.stats()
+                    print(f"minibatch: stopping; {stats}", file=sys.stderr, flush=True)
+                    print(f"minibatch: since ready: {time.monotonic() - ready[0]:.1f} s, CPU seconds of the HTTP "
+                          f"thread {time.thread_time() - ready[1]:.3f} and of the engine's loop "
+                          f"{stats['loop_cpu_s'] - ready[2]:.3f} (they share one interpreter lock)",
+                          file=sys.stderr, flush=True)
                     state.engine = None
         finally:  # also after a failure: the steps before it are what explains it
             if state.timeline_path is not None:

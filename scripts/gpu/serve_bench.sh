@@ -103,7 +103,7 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
   local t0=$EPOCHREALTIME
   kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
-  grep -h "minibatch: stopping" "$log" 2>/dev/null || true
+  grep -hE "minibatch: (stopping|since ready)" "$log" 2>/dev/null || true
   local tl=${log/server-/timeline-}; tl=${tl%.log}.json
   [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"
 }
