@@ -446,6 +446,10 @@ def test_a_single_bad_weight_anywhere_is_reported(dtype, value):
         weight.view(-1)[-1] = value
     with pytest.warns(UserWarning, match=r"NaN or infinite weights in model\.layers\.0\.mlp\.up_proj\.weight"):
         check_finite(hf, "broken")
+    from minibatch.model.checks import _host_finite
+
+    assert not _host_finite(weight.t()) and not _host_finite(weight[:, -1:])  # views, strided: read too
+    assert _host_finite(weight[:, :-1]) and _host_finite(weight[:0])
 
 
 UNDER_LIMIT = """

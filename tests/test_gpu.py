@@ -132,6 +132,10 @@ def test_a_dynamic_rows_compile_serves_every_batch_size_once():
     assert counters["stats"]["unique_graphs"] - before == 1  # one compile for all of them
     assert engine.generate(work, mode="async", compile="dynamic", **kw) == sync
     assert counters["stats"]["unique_graphs"] - before == 1
+    # one request at a time: its single row is padded to two, and the IO slots have room for them
+    one = dict(kw, max_batch_size=1, arrival_steps=None)
+    assert engine.generate(work[:2], mode="async", compile="dynamic", **one) == \
+        engine.generate(work[:2], mode="sync", compile="dynamic", **one)
     engine.close()
 
 

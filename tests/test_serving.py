@@ -131,8 +131,9 @@ def test_the_ready_line_names_the_event_loop_and_the_http_parser(servers):
     import importlib.util
 
     big, small = servers
-    fast = importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")
-    assert ("event loop uvloop, HTTP httptools" if fast else "HTTP h11") in big.output()
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    assert f"event loop {loop}, HTTP {http}); ready" in big.output()
     assert "event loop asyncio, HTTP h11); ready" in small.output()
 
 

@@ -112,7 +112,8 @@ def make_config(model, mode: str, lengths: list[int], max_new_tokens: int, *, ma
                          "show the race on purpose")
     timeout, delays = _timeout(timeout), _delays(inject_delays)
     num_blocks = None if num_blocks is None else _int("num_blocks", num_blocks)
-    sizes = run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks)
+    sizes = run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks,
+                      min_rows=2 if compile == "dynamic" else 1)
     check_memory(model, *sizes, block_size, num_slots, given_blocks=num_blocks is not None, reusable=reusable_bytes)
     shape = Shape(sizes[0], block_size, *sizes[1:], num_slots, cuda_graphs, compile,
                   decode=(model.decode_attention, model.decode_kv_bucket))

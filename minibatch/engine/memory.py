@@ -24,9 +24,11 @@ from ..devices.limits import host_bytes_free
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
 
-def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks):
+def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks,
+              min_rows: int = 1):
     """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of a run whose
-    requests have prompts of `lengths` tokens."""
+    requests have prompts of `lengths` tokens. `min_rows`: the fewest rows a decode step is padded to
+    (2 for compile="dynamic", which pads a single row to two: runner/graphs.py)."""
     need = sorted((-(-(n + max_new_tokens - 1) // block_size) for n in lengths), reverse=True)
     if num_blocks is None:  # enough for max_batch_size of the longest requests at once
         num_blocks = sum(need[:max_batch_size])
@@ -34,7 +36,7 @@ def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, 
         raise ValueError(f"a request needs {need[0]} blocks of {block_size} tokens of KV cache but the cache only "
                          f"has num_blocks={num_blocks}: it could never run")
     # the largest step, with the padding the graph layout may add (batch.py)
-    rows = bucket(max_batch_size, ROW_BUCKETS)
+    rows = bucket(max(max_batch_size, min_rows), ROW_BUCKETS)
     longest = max(lengths) + max_new_tokens
     width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
     tokens, keys = max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width)

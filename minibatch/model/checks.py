@@ -137,15 +137,20 @@ def _host_finite(p: torch.Tensor) -> bool:
 
     Not torch: a torch op above its grain size opens a parallel region (GNU OpenMP's thread team) in
     this process, which would break torch in any later fork of it (a multiprocessing worker hangs or
-    fails at its own first parallel op). Views and `.numpy()` run nothing; numpy's bitwise ops are
-    single-threaded. A weight of another dtype, or not contiguous, is checked on its first elements
-    only (an op that small runs on this thread too)."""
+    fails at its own first parallel op). A same-size dtype view and `.numpy()` copy nothing, whatever
+    the strides; numpy's bitwise ops are single-threaded. A weight of another dtype is checked on its
+    first elements only (an op that small runs on this thread too)."""
     bits = _EXPONENT_BITS.get(p.dtype)
-    if bits is None or not p.is_contiguous():
-        return bool(torch.isfinite(p.reshape(-1)[:_SERIAL]).all())
+    if bits is None:
+        return p.numel() == 0 or bool(torch.isfinite(p.reshape(-1)[:_SERIAL]).all())
     int_dtype, mask = bits
-    flat = p.detach().reshape(-1).view(int_dtype).numpy()
-    return not any(((flat[i:i + _HOST_CHUNK] & mask) == mask).any() for i in range(0, flat.size, _HOST_CHUNK))
+    a = p.detach().view(int_dtype).numpy()
+    if a.size == 0:
+        return True
+    if a.ndim == 0:
+        return (int(a) & mask) != mask
+    rows = max(1, _HOST_CHUNK // a[0].size)  # bounded temporaries, along the first axis
+    return not any(((a[i:i + rows] & mask) == mask).any() for i in range(0, a.shape[0], rows))
 
 
 def check_finite(hf, name: str) -> None:

@@ -1,4 +1,4 @@
-"""The decode step through torch.compile: one compiled function per engine, static shapes (notebook 07).
+"""The decode step through torch.compile: one compiled function per engine (notebook 07).
 
 `CompiledStep` is what `generate(compile=True)` runs for decode steps; the step runner
 (runner/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
@@ -27,7 +27,8 @@ class CompiledStep:
     Why: an eager step is a long chain of small elementwise kernels (RMSNorm, rotary embedding, MLP
     activations), each a separate read and write of a [rows, hidden] tensor; Inductor fuses them.
     What it costs: compilation, once per decode shape (rows, greedy or not, cache size, and keys per
-    row unless the attention is Triton's). Static shapes, so a shape always gets the same kernels:
+    row unless the attention is Triton's). Static shapes (unless `dynamic_rows`, below), so a shape
+    always gets the same kernels:
     with PyTorch's "automatic dynamic" shapes the kernels that serve a shape depend on the order
     shapes come up in, and sync and async runs (which see shapes in different orders) would give
     different bf16 tokens. The one exception is made where it cannot change a kernel: the Triton decode
@@ -76,7 +77,9 @@ class CompiledStep:
         rows = batch.decode_rows
         width = None if self.dynamic_keys else batch.kv_indices.shape[0] // rows
         symbolic = self.dynamic_rows and rows > 1
-        shape = (None if symbolic else rows, width, batch.all_greedy, cache.num_cells, batch.unfiltered)
+        # (a greedy step never reads `unfiltered`: forward_sample returns the argmax first)
+        shape = (None if symbolic else rows, width, batch.all_greedy, cache.num_cells,
+                 batch.unfiltered or batch.all_greedy)
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)
