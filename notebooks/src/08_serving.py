@@ -395,8 +395,10 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # comes later than with every step graphed (BENCHMARKS.md has every rate).
 #
 # It closes part of the gap, not all: 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of the offline engine's throughput.
-# What remains sits, we think, at the start and the end of a run this short (a few seconds): requests reach the
-# engine one HTTP request at a time rather than all in step 0. `serve --timeline FILE` writes the
+# What remains sits at the start and the end of a run this short (a few seconds): requests reach the
+# engine one HTTP request at a time rather than all in step 0. A run four times as long (256 requests)
+# shows it: the server then reached about nine tenths of the offline engine, with as many steps, each
+# as fast (BENCHMARKS.md, Serving, fourth run). `serve --timeline FILE` writes the
 # engine's timeline, with each request's arrival as a mark, when the server stops, so the next run
 # can show where the time went, with the plots of notebook 06.
 #
@@ -407,7 +409,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # with `compile="dynamic"`: the batch size stays a symbol in the compiled code (it reaches the model
 # as a tensor's length, `Batch.rows()`, not as a Python number that torch.compile would bake in), one
 # compile serves every size, and the server does it before it says it is ready, once per sampling
-# variant (greedy, sampled, top-k/top-p). How fast that compiled code runs on a GPU is not measured yet.
+# variant (greedy, sampled, top-k/top-p). On the H200 that general compiled code ran the offline 8B
+# workload as fast as the one compiled for each batch size (BENCHMARKS.md).
 #
 # ## Summary
 #
