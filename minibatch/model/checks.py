@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..args import DTYPES, INT64_MAX, _int, resolve_device
@@ -144,12 +146,8 @@ def _host_finite(p: torch.Tensor) -> bool:
     if bits is None:
         return p.numel() == 0 or bool(torch.isfinite(p.reshape(-1)[:_SERIAL]).all())
     int_dtype, mask = bits
-    a = p.detach().view(int_dtype).numpy()
-    if a.size == 0:
-        return True
-    if a.ndim == 0:
-        return (int(a) & mask) != mask
-    rows = max(1, _HOST_CHUNK // a[0].size)  # bounded temporaries, along the first axis
+    a = np.atleast_1d(p.detach().view(int_dtype).numpy())
+    rows = max(1, _HOST_CHUNK // max(1, math.prod(a.shape[1:])))  # bounded temporaries, along the first axis
     return not any(((a[i:i + rows] & mask) == mask).any() for i in range(0, a.shape[0], rows))
 
 
