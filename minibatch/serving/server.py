@@ -44,10 +44,10 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature
 class ServerState:
     """What the endpoints share: the model, its engine, the streams still open."""
 
-    def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None):
+    def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None, http: str = "auto"):
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
         self.timeline_path = timeline_path
-        self.http = "auto"  # uvicorn's HTTP parser, as serve was asked for it
+        self.http = http  # uvicorn's HTTP parser, as serve was asked for it
         self.engine = None
         self.open: set = set()  # streams not yet finished or given up
         self.cancelled = 0  # requests cancelled because their client hung up
@@ -286,8 +286,7 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
         if value == module and importlib.util.find_spec(module) is None:
             raise ValueError(f"--{option} {module} needs the {module} package (pip install {module}, or "
                              "minibatch's serve extra)")
-    state = ServerState(model, name, model_eos(model), serving, timeline)
-    state.http = http
+    state = ServerState(model, name, model_eos(model), serving, timeline, http)
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=1, loop=loop, http=http)
 
