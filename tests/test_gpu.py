@@ -129,13 +129,42 @@ def test_a_dynamic_rows_compile_serves_every_batch_size_once():
     (resources,) = engine.kept.values()
     rows = {c["key"][5] for c in resources.runner.captures} - {0}  # decode_rows (slots.bound_args' key)
     assert len(rows) >= 4 and 1 not in rows  # several batch sizes; a single row is padded to two
-    assert counters["stats"]["unique_graphs"] - before == 1  # one compile for all of them
+    # one compile of the forward and one of the (greedy) sampler for all of them
+    assert counters["stats"]["unique_graphs"] - before == 2
     assert engine.generate(work, mode="async", compile="dynamic", **kw) == sync
-    assert counters["stats"]["unique_graphs"] - before == 1
+    assert counters["stats"]["unique_graphs"] - before == 2
     # one request at a time: its single row is padded to two, and the IO slots have room for them
     one = dict(kw, max_batch_size=1, arrival_steps=None)
     assert engine.generate(work[:2], mode="async", compile="dynamic", **one) == \
         engine.generate(work[:2], mode="sync", compile="dynamic", **one)
+    engine.close()
+
+
+def test_a_dynamic_rows_compile_samples_with_top_k_and_top_p_at_a_real_vocabulary_size():
+    """With a symbolic row count, torch 2.11's Inductor could not generate the top-k/top-p sampler's
+    kernels for a 128256-entry vocabulary (its cumulative sum is a split scan), and a server's warm-up
+    failed on it: the forward is compiled apart and such batches sample eagerly (runner/compiled.py).
+    Every sampling variant, in one engine, as a server's warm-up submits them; sync and async agree."""
+    import transformers
+
+    from minibatch.model.model import _TINY_SHAPE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**_TINY_SHAPE, "vocab_size": 128256})
+    with torch.device("cuda"):
+        model = minibatch.load_model(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+    work = prompts(6, model.vocab_size, seed=3)
+    variants = (dict(temperature=0.0), dict(temperature=0.9), dict(temperature=0.9, top_k=20),
+                dict(temperature=0.9, top_p=0.8))
+    engine = minibatch.Engine(model)
+    with engine.serving(max_batch_size=4, compile=True):
+        assert engine._compiled.dynamic_rows  # what serving makes of compile=True on a GPU
+        for v in variants:
+            assert len(engine.submit(work[0], max_new_tokens=4, seed=0, **v).wait().token_ids) == 4, v
+    for v in variants:
+        kw = dict(max_new_tokens=8, max_batch_size=8, max_batch_tokens=256, seed=1, **v)
+        assert engine.generate(work, mode="async", compile="dynamic", **kw) == \
+            engine.generate(work, mode="sync", compile="dynamic", **kw), v
     engine.close()
 
 

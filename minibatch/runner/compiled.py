@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..batching.batch import DYNAMIC_ROWS
+from ..batching.sampling import sample
 from ..compat import mark_dynamic, raise_recompile_limit
 
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)
@@ -49,6 +50,13 @@ class CompiledStep:
     on the order shapes come up in, since no shape is ever compiled statically; the kernels are general
     ones, so bf16 tokens may differ from a static compile's. The row count reaches the model through
     `Batch.rows()` (batch.py), read from a tensor's length instead of the Python int `decode_rows`.
+    With `dynamic_rows` the forward (to the logits) is one compile for every sampling variant, and
+    the sampler is compiled apart (`pick`, a small graph: greedy and unfiltered sampling) or, for a
+    batch with top-k or top-p, runs eagerly. Why: torch 2.11's Inductor fails to generate the Triton
+    kernel for that sampler's cumulative sum over a 128256-entry vocabulary once the row count is
+    symbolic (a split scan; BENCHMARKS.md, Serving), and a server that compiles its forward once
+    instead of once per variant is ready sooner. The eager filtered sampler costs a few more kernels
+    per step than a compiled one, only in steps whose batch holds a filtered request.
     """
 
     def __init__(self, model, mode: str | None = None, merge: bool = True, dynamic_rows: bool = False) -> None:
@@ -60,6 +68,7 @@ class CompiledStep:
         self.dynamic_rows = dynamic_rows
         self.shapes: set[tuple] = set()
         self._fn = None
+        self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
 
     @property
     def merged(self) -> list[int]:
@@ -73,6 +82,13 @@ class CompiledStep:
         """Whether one compile serves every number of keys per row (see the class doc)."""
         return self.attention == "triton" or self.dynamic_rows
 
+    def _compile(self, fn):
+        if self.merge:  # (a graph without sibling projections, such as the sampler's, passes unchanged)
+            from .siblings import backend
+
+            return torch.compile(fn, dynamic=False, backend=backend(self.mode))
+        return torch.compile(fn, dynamic=False, mode=self.mode)
+
     def __call__(self, batch, cache) -> torch.Tensor:
         rows = batch.decode_rows
         width = None if self.dynamic_keys else batch.kv_indices.shape[0] // rows
@@ -84,7 +100,9 @@ class CompiledStep:
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)
             print(f"torch.compile: decode step for {'any number of' if symbolic else rows} rows x {keys} keys"
-                  f"{' (greedy)' if shape[2] else ''}: compiling, once per shape", file=sys.stderr, flush=True)
+                  f"{' (greedy)' if shape[2] else ''}: compiling, once per shape"
+                  f"{'; top-k/top-p sampled eagerly' if self.dynamic_rows and not shape[4] else ''}",
+                  file=sys.stderr, flush=True)
         if self.dynamic_keys:
             for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
                 mark_dynamic(t, 0)
@@ -94,11 +112,27 @@ class CompiledStep:
             batch = dataclasses.replace(batch, decode_rows=DYNAMIC_ROWS)
         if self._fn is None:
             raise_recompile_limit(64)  # one compile per shape: room for a few dozen
-            if self.merge:
-                from .siblings import backend
-
-                self._fn = torch.compile(self.model.forward_sample, dynamic=False, backend=backend(self.mode))
-            else:
-                self._fn = torch.compile(self.model.forward_sample, dynamic=False, mode=self.mode)
+            # dynamic rows: the forward alone (to the logits), the sampler apart (see the class doc)
+            fn = self.model._forward if self.dynamic_rows else self.model.forward_sample
+            self._fn = self._compile(fn)
         with torch.inference_mode():
-            return self._fn(batch, cache, self.attention)
+            if not self.dynamic_rows:
+                return self._fn(batch, cache, self.attention)
+            logits = self._fn(batch, cache, self.attention)
+            if not (batch.all_greedy or batch.unfiltered):  # top-k or top-p: eagerly
+                return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
+            if symbolic:
+                mark_dynamic(logits, 0)
+            if self._pick is None:
+                self._pick = self._compile(pick)
+            return self._pick(logits, batch.temperature, batch.seed, batch.counter, batch.all_greedy)
+
+
+def pick(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+         greedy: bool) -> torch.Tensor:
+    """The next tokens of a batch without top-k or top-p (what Model.forward_sample does after the
+    forward), as a function of its own for a compiled step with dynamic rows: `greedy` is a Python
+    bool, so greedy and sampled batches compile apart."""
+    if greedy:
+        return logits.float().argmax(dim=-1)
+    return sample(logits, temperature, None, None, seed, counter, filtered=False)  # (no top-k/top-p read)
