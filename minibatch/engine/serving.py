@@ -44,7 +44,7 @@ class Loop:
         self.closing = False
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
-        self.cpu_s = 0.0  # CPU seconds the background thread has run (a server's GIL budget: stats())
+        self._cpu_s = 0.0  # CPU seconds of the background thread as of its last turn (see cpu_s)
         self.rids = itertools.count()
         run.listener = self.deliver
 
@@ -133,6 +133,19 @@ class Loop:
         self.streams.pop(request, None)
         stream.put(chunk, time.perf_counter() if now is None else now, wakeups)
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the background thread has run (a server's GIL budget: Engine.stats()): read from
+        the thread's own CPU clock now where the OS lends it (Linux), else as of the thread's last turn,
+        which leaves out a turn in progress."""
+        thread = self.thread
+        if thread is not None and thread.is_alive() and hasattr(time, "pthread_getcpuclockid"):
+            try:
+                return max(self._cpu_s, time.clock_gettime(time.pthread_getcpuclockid(thread.ident)))
+            except (OSError, OverflowError):  # the thread ended in between
+                pass
+        return self._cpu_s
+
     # --- the background thread --------------------------------------------------------------------
     def start_thread(self) -> None:
         self.thread = threading.Thread(target=self._serve, name="minibatch-engine-loop", daemon=True)
@@ -147,7 +160,7 @@ class Loop:
                     if self.closing:
                         return
                 self.turn()
-                self.cpu_s = time.thread_time() - started
+                self._cpu_s = time.thread_time() - started
         except BaseException as e:  # noqa: BLE001 — every reader must learn of it, not wait forever
             self.error = e
         finally:

@@ -85,7 +85,7 @@ measured() {  # measured LABEL COMMAND...: run a bench, then record the server's
 start() {  # start LABEL COMMAND...: run the server in the background, wait for /health (10 min at most)
   local label=$1; shift
   local t0=$EPOCHREALTIME
-  log=$out/server-$label.log
+  log=$out/server-${label//+/-}.log  # (file names without "+": some copying tools refuse them)
   "$@" > "$log" 2>&1 &
   pid=$!
   for _ in $(seq 6000); do
@@ -110,16 +110,16 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
   local label=$1 r=$2; shift 2
   measured "$label" python3 -m minibatch bench-serve "${bench[@]}" --rates "$r" --label "$label" "$@" \
-    > "$out/bench-$label.log" 2>&1; grep -E "^rate|failed|warning" "$out/bench-$label.log" || true
+    > "$out/bench-${label//+/-}.log" 2>&1; grep -E "^rate|failed|warning" "$out/bench-${label//+/-}.log" || true
 }
 ours() {  # ours LABEL RATES SERVE-FLAGS...
   local base=$1 label=$1${TAG:-} r=$2; shift 2
   echo "== $label ($(date -u +%H:%M:%S))"
   # shellcheck disable=SC2086  # SERVE_FLAGS: words on purpose
   start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
-    --timeline "$out/timeline-$label.json" ${SERVE_FLAGS:-} || return 1
+    --timeline "$out/timeline-${label//+/-}.json" ${SERVE_FLAGS:-} || return 1
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
-  if [ "$r" != none ] && [ "$r" != inf ] && want warm; then  # the same server: a warm pass, then rate inf
+  if [ "$r" != none ] && want warm; then  # the same server: a warm pass, then rate inf
     sends "$label-warm" inf --processes "$clients" --warmup; fi
   if [ "$base" = async ] && want oneclient; then  # the same server, one client process at the highest rates
     sends async-1client "${rates##*,}" --processes 1; fi
