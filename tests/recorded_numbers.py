@@ -145,9 +145,20 @@ def serving_graphs() -> dict:
             "compile_warm_start_s": float(startup["async+compile-warm"])}
 
 
+def serving_compile() -> dict:
+    """`serve --compile` with the dynamic compile, forward and sampler apart (H200, 8B folder, 64 requests)."""
+    run = "runs/gpu_serving_compile_2026-12-01/"
+    inf = json.loads((DATA / run / "fixed/bench_serve.json").read_text())["runs"]["async+compile"]["rates"]["inf"]
+    startup = dict(x.split("\t") for x in (DATA / run / "fixed/startup.tsv").read_text().splitlines()[1:])
+    offline = _bench(run + "failed_warmup/offline_bench.json")["async+dynamic"]
+    return {"inf_tok_s": inf["output_throughput"], "itl_p50_ms": inf["itl_ms"]["p50"],
+            "itl_p99_ms": inf["itl_ms"]["p99"], "cold_start_s": float(startup["async+compile"]),
+            "offline_dynamic_tok_s": offline["tokens_per_s"], "offline_dynamic_decode_ms": offline["decode_period_ms"]}
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
-            "serving": serving, "serving_graphs": serving_graphs}
+            "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -164,7 +175,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                               "figures/data/runs/gpu_serving_graphs_2026-12-01/console-1.log",
                               "figures/data/runs/gpu_serving_graphs_2026-12-01/console-2.log",
                               "figures/data/runs/gpu_serving_graphs_2026-12-01/offline.log",
-                              "figures/data/runs/gpu_serving_graphs_2026-12-01/startup.tsv"]}
+                              "figures/data/runs/gpu_serving_graphs_2026-12-01/startup.tsv"],
+           "serving_compile": ["figures/data/runs/gpu_serving_compile_2026-12-01/fixed/bench_serve.json",
+                               "figures/data/runs/gpu_serving_compile_2026-12-01/fixed/startup.tsv",
+                               "figures/data/runs/gpu_serving_compile_2026-12-01/failed_warmup/offline_bench.json"]}
 
 
 def derive() -> dict:
