@@ -407,3 +407,24 @@ def test_an_update_wakes_each_event_loop_once():
     reader.join(10)
     assert not reader.is_alive() and len(calls) == 6 and all(t == [7, 8] for t in got.values())
     loop.close()
+
+
+def test_the_loop_cpu_seconds_count_a_turn_in_progress_and_never_go_back(tiny):
+    """stats()["loop_cpu_s"] (Loop.cpu_s) reads the loop thread's own CPU clock (serving.Loop.cpu_s): while a turn
+    runs it counts that turn, and after the thread has ended it keeps the whole, never a smaller value."""
+    engine = minibatch.Engine(tiny)
+    with engine.serving(mode="async"):
+        loop = engine.loop
+        engine.submit([1, 2, 3], max_new_tokens=8).wait()
+        seen = [loop.cpu_s]
+        stream = engine.submit([4, 5, 6], max_new_tokens=400)
+        while not stream.done:
+            seen.append(loop.cpu_s)
+            time.sleep(0.01)
+        seen.append(loop.cpu_s)
+    assert not loop.thread.is_alive()
+    seen.append(loop.cpu_s)
+    assert seen == sorted(seen) and seen[-1] > seen[0] > 0
+    if hasattr(time, "pthread_getcpuclockid"):
+        assert loop._clock is not None
+    engine.close()

@@ -45,6 +45,7 @@ class Loop:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self._cpu_s = 0.0  # CPU seconds of the background thread as of its last turn (see cpu_s)
+        self._clock: int | None = None  # that thread's CPU clock, where the OS lends one
         self.rids = itertools.count()
         run.listener = self.deliver
 
@@ -136,13 +137,14 @@ class Loop:
     @property
     def cpu_s(self) -> float:
         """CPU seconds the background thread has run (a server's GIL budget: Engine.stats()): read from
-        the thread's own CPU clock now where the OS lends it (Linux), else as of the thread's last turn,
-        which leaves out a turn in progress."""
-        thread = self.thread
-        if thread is not None and thread.is_alive() and hasattr(time, "pthread_getcpuclockid"):
+        the thread's own CPU clock now where the OS lends it (`time.pthread_getcpuclockid`: Linux and
+        other POSIX systems, not macOS), else as of the thread's last turn, which leaves out a turn in
+        progress. The clock is taken by the thread itself: an ident read from outside may already
+        belong to another thread."""
+        if self._clock is not None and self.thread is not None and self.thread.is_alive():
             try:
-                return max(self._cpu_s, time.clock_gettime(time.pthread_getcpuclockid(thread.ident)))
-            except (OSError, OverflowError):  # the thread ended in between
+                return max(self._cpu_s, time.clock_gettime(self._clock))
+            except OSError:  # the thread ended in between (its clock is gone: EINVAL)
                 pass
         return self._cpu_s
 
@@ -152,7 +154,9 @@ class Loop:
         self.thread.start()
 
     def _serve(self) -> None:
-        scheduler, started = self.run.scheduler, time.thread_time()
+        scheduler = self.run.scheduler
+        if hasattr(time, "pthread_getcpuclockid"):  # this thread's clock, for cpu_s to read from any thread
+            self._clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
             while True:
                 with self.cond:  # sleep until there is something to do: a submit or a cancel wakes us
@@ -160,11 +164,12 @@ class Loop:
                     if self.closing:
                         return
                 self.turn()
-                self._cpu_s = time.thread_time() - started
+                self._cpu_s = time.thread_time()
         except BaseException as e:  # noqa: BLE001 — every reader must learn of it, not wait forever
             self.error = e
         finally:
             self._end_all()
+            self._cpu_s = time.thread_time()  # all of it, the last turn and the leaving included
 
     def _end_all(self) -> None:
         """Leaving: every request still open ends ("cancelled", or the loop's error) and frees its blocks."""

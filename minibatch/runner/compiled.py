@@ -99,10 +99,19 @@ class CompiledStep:
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)
-            print(f"torch.compile: decode step for {'any number of' if symbolic else rows} rows x {keys} keys"
-                  f"{' (greedy)' if shape[2] else ''}: compiling, once per shape"
-                  f"{'; top-k/top-p sampled eagerly' if self.dynamic_rows and not shape[4] else ''}",
-                  file=sys.stderr, flush=True)
+            if not self.dynamic_rows:
+                print(f"torch.compile: decode step for {rows} rows x {keys} keys{' (greedy)' if shape[2] else ''}: "
+                      "compiling, once per shape", file=sys.stderr, flush=True)
+            else:
+                seen = self.shapes - {shape}  # (the cache's size is static: a new one compiles the forward)
+                said = [] if any(s[3] == shape[3] for s in seen) else [
+                    "the forward for any number of rows and keys: compiling, once for every sampling variant"]
+                if shape[4] and not any(s[2] == shape[2] and s[4] for s in seen):
+                    said.append(f"the {'greedy' if shape[2] else 'sampled'} token choice: compiling, once")
+                elif not shape[4]:
+                    said.append("top-k/top-p: sampled eagerly (runner/compiled.py)")
+                if said:
+                    print(f"torch.compile: decode step: {'; '.join(said)}", file=sys.stderr, flush=True)
         if self.dynamic_keys:
             for t in (batch.kv_indices, batch.kv_seq, batch.kv_pos):
                 mark_dynamic(t, 0)

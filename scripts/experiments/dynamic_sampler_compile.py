@@ -17,6 +17,7 @@ Prints one line per variant and writes OUT_DIR/dynamic_sampler_compile.txt.
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def one(variant: str, vocab: int, device: str) -> str:
         obj = inductor_config
         for part in path:
             obj = getattr(obj, part)
-        setattr(obj, last, value == "True")
+        setattr(obj, last, ast.literal_eval(value))
     fn = sample_scatter if variant == "scatter" else sampling.sample
     head = torch.randn(vocab, 4096, device=device, dtype=torch.bfloat16) * 0.02
 

@@ -6,7 +6,8 @@
 # 1. the 8B shape with random weights saved as a folder in bf16, with a word-level tokenizer
 #    (save_random_folder.py: one token per bench-serve word, so every server sees the same prompt lengths);
 # 2. our server from that folder, sync, async, async --compile (cold: an empty TORCHINDUCTOR_CACHE_DIR),
-#    async --compile again (warm: the same cache); the time from `serve` to a ready /health of each;
+#    async --compile again (label async+compile-cached: the same cache); the time from `serve` to a ready
+#    /health of each;
 # 3. bench-serve against each (sync, async: 4 rates; compile: rate inf), 64 prompts of 256 tokens, 256 new
 #    tokens, greedy, the requests spread over CLIENTS client processes (default 4); then, on the same server,
 #    rate inf once more after an untimed pass of the whole workload (`bench-serve --warmup`; label
@@ -22,8 +23,9 @@
 # one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its
 # steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
 # its engine's timeline (every step's spans, each request's arrival) is written to
-# OUTDIR/timeline-LABEL.json as it stops, and summarised burst by burst (scripts/timeline_bursts.py: arrivals
-# and their spread, steps, device busy, ms per step; the offline run's too) into OUTDIR/bursts.txt.
+# OUTDIR/timeline-LABEL.json ("+" in a label becomes "-" in file names) as it stops, and summarised
+# burst by burst (scripts/timeline_bursts.py: arrivals and their spread, steps, device busy, ms per step;
+# the offline run's too) into OUTDIR/bursts.txt.
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
 # server process over that bench (server-cpu.tsv).
@@ -104,7 +106,7 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
   kill -TERM "$pid" 2>/dev/null; wait "$pid"; local rc=$?
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
   grep -hE "minibatch: (stopping|since ready)" "$log" 2>/dev/null || true
-  local tl=${log/server-/timeline-}; tl=${tl%.log}.json
+  local tl=${log%/*}/timeline-${log##*/server-}; tl=${tl%.log}.json
   [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"
 }
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
@@ -133,7 +135,7 @@ if want compile && [ "${COMPILE:-1}" = 1 ]; then
   export TORCHINDUCTOR_CACHE_DIR=$out/inductor-cache
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
   ours async+compile inf --mode async --compile   # cold: compiles everything
-  ours async+compile-warm none --mode async --compile  # warm: the same on-disk caches, start-up only
+  ours async+compile-cached none --mode async --compile  # the same on-disk caches filled: start-up only
 fi
 
 if want offline; then
