@@ -93,9 +93,9 @@ class CompiledStep:
         rows = batch.decode_rows
         width = None if self.dynamic_keys else batch.kv_indices.shape[0] // rows
         symbolic = self.dynamic_rows and rows > 1
-        # (a greedy step never reads `unfiltered`: forward_sample returns the argmax first)
-        shape = (None if symbolic else rows, width, batch.all_greedy, cache.num_cells,
-                 batch.unfiltered or batch.all_greedy)
+        # top-k or top-p in the batch (a greedy step never reads `unfiltered`: forward_sample returns the argmax first)
+        filtered = not (batch.unfiltered or batch.all_greedy)
+        shape = (None if symbolic else rows, width, batch.all_greedy, cache.num_cells, not filtered)
         if shape not in self.shapes:  # a long silent pause otherwise: say what is happening
             self.shapes.add(shape)
             keys = "any number of" if width is None else str(width)
@@ -128,7 +128,7 @@ class CompiledStep:
             if not self.dynamic_rows:
                 return self._fn(batch, cache, self.attention)
             logits = self._fn(batch, cache, self.attention)
-            if not (batch.all_greedy or batch.unfiltered):  # top-k or top-p: eagerly
+            if filtered:  # top-k or top-p: eagerly
                 return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter)
             if symbolic:
                 mark_dynamic(logits, 0)

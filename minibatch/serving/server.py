@@ -172,14 +172,16 @@ async def _handle(state: ServerState, request, chat: bool):
     return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, s.text or "", finish, use))
 
 
-# the sampling variants a decode step compiles for (greedy, sampled, sampled with top-k/top-p: sampling.py)
+# the sampling variants a decode step takes a path of its own for (greedy, sampled, sampled with top-k/top-p:
+# sampling.py); compiled, the first two compile a token choice each and the third samples eagerly (compiled.py)
 _VARIANTS = (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=8))
 
 
 def _warm_up(state: ServerState) -> None:
     """Short requests before the server says it is ready, so the first clients pay no first-step cost:
-    one, or with --compile one per sampling variant, one after the other (a batch mixing them is a
-    variant of its own), so that each is compiled before a client waits on it."""
+    one, or with --compile one per sampling variant, one after the other, so that the forward and each
+    variant's token choice are compiled, and each variant's decode graph captured, before a client waits
+    on them."""
     ids = list(range(1, min(9, state.model.vocab_size)))
     for variant in _VARIANTS if state.serving.get("compile") else _VARIANTS[:1]:
         state.engine.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
@@ -302,9 +304,10 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
             await super().serve(sockets)
 
     if serving.get("compile"):
-        print("minibatch: compiling the decode step before the server is ready: once for each sampling variant "
-              "(greedy, sampled, top-k/top-p), every batch size in one compile; torch's on-disk cache makes the "
-              "next start shorter", file=sys.stderr, flush=True)
+        print("minibatch: compiling the decode step before the server is ready: the forward once for every "
+              "batch size and sampling variant, then a small token choice each for greedy and sampled requests "
+              "(top-k/top-p sample eagerly); torch's on-disk cache makes the next start shorter",
+              file=sys.stderr, flush=True)
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1000)
     server = Server(config)

@@ -69,8 +69,8 @@ def add_serving(sub) -> None:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     s.add_argument("--compile", action="store_true",
-                   help="decode steps through torch.compile (CUDA), compiled at start: one compile serves every "
-                        "batch size (compile=\"dynamic\"), one per sampling variant")
+                   help="decode steps through torch.compile (CUDA), compiled at start: one compile of the forward "
+                        "serves every batch size and sampling variant (compile=\"dynamic\")")
     s.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
                    help="replay steps as CUDA graphs: decode (auto's choice on CUDA) graphs decode steps only, and "
                         "prefill and mixed steps, whose shapes follow the arrivals, run eagerly instead of being "
