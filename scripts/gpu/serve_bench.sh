@@ -143,7 +143,8 @@ echo "== offline engine, same workload ($(date -u +%H:%M:%S))"
 python3 -m minibatch bench --model "$folder" --device "$device" --modes "${OFFLINE_MODES:-sync,async}" --num-prompts "$n" \
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
-python3 scripts/timeline_bursts.py "$out/offline/timeline_async.json" | tee -a "$out/bursts.txt"
+for tl in "$out"/offline/timeline_*.json; do  # one per mode
+  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"; done
 fi
 want transformers || { cat "$out/startup.tsv"; exit 0; }
 
