@@ -1,6 +1,6 @@
 """Where a serving run's time went, burst by burst, from a timeline file.
 
-    python scripts/timeline_bursts.py TIMELINE.json [TIMELINE.json ...] [--quiet 0.5]
+    python scripts/timeline_bursts.py TIMELINE.json [TIMELINE.json.gz ...] [--quiet 0.5] [--longest N]
 
 TIMELINE.json: what `python -m minibatch serve --timeline FILE` writes as the server stops, or a
 `bench --out` timeline (an offline run: one window over the whole file). A burst runs from the first
@@ -8,12 +8,16 @@ arrival of a group of requests to the end of the last device span after it; a ga
 seconds with no arrival and an idle device ends it (Timeline.bursts). Per burst: the requests that
 arrived and over how long, the steps, the device's busy share, and the wall time per step. Set a
 rate-inf burst of the server beside the offline run of the same workload: more steps, longer steps
-or an idle device each point at a different cause.
+or an idle device each point at a different cause. `--longest N` lists each burst's N longest
+compute spans (step number, start, milliseconds): where a burst's time per step is high, whether a
+few steps or all of them are to blame.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -32,18 +36,37 @@ def rows(timeline: Timeline, quiet: float) -> list[dict]:
     return [{"start_s": a, **timeline.window(a, b)}]
 
 
+def longest(timeline: Timeline, start: float, end: float, n: int) -> list[tuple[int, float, float]]:
+    """The n longest compute spans that start in [start, end): (step, start s, ms), longest first."""
+    spans = [s for s in timeline.spans if s.lane == "compute" and start <= s.start < end]
+    spans.sort(key=lambda s: s.duration, reverse=True)
+    return [(s.step, s.start, 1000 * s.duration) for s in spans[:n]]
+
+
+def load(path: str) -> Timeline:
+    if path.endswith(".gz"):  # recorded runs keep their larger timelines compressed
+        with gzip.open(path, "rt") as f:
+            return Timeline.from_dict(json.load(f))
+    return Timeline.load(path)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+")
     p.add_argument("--quiet", type=float, default=0.5, help="seconds of nothing that end a burst")
+    p.add_argument("--longest", type=int, default=0, metavar="N", help="list each burst's N longest compute spans")
     args = p.parse_args(argv)
     for f in args.files:
         print(f)
         print(f"{'start s':>9} {'wall s':>7} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} "
               f"{'ms/step':>8} {'compute ms':>10}")
-        for r in rows(Timeline.load(f), args.quiet):
+        timeline = load(f)
+        for r in rows(timeline, args.quiet):
             print(f"{r['start_s']:9.2f} {r['wall_s']:7.2f} {r['arrivals']:7d} {1000 * r['arrival_spread_s']:8.1f} "
                   f"{r['steps']:6d} {r['device_busy']:5.0%} {r['ms_per_step']:8.2f} {r['compute_ms']:10.2f}")
+            if args.longest:
+                top = longest(timeline, r["start_s"], r["start_s"] + r["wall_s"], args.longest)
+                print("          longest compute: " + ", ".join(f"step {k} {ms:.1f} ms" for k, _, ms in top))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,22 @@ def test_timeline_bursts_script_prints_a_row_per_burst(tmp_path, capsys):
     assert [line.split()[:6] for line in out if line.strip()[:1].isdigit()] == [
         ["0.00", "0.21", "2", "50.0", "4", "95%"], ["5.00", "0.10", "1", "0.0", "2", "90%"],
         ["1.00", "0.50", "0", "0.0", "1", "100%"]]
+
+
+def test_timeline_bursts_script_lists_the_longest_steps_of_each_burst_from_a_gzipped_file(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gzip
+    import json
+
+    import timeline_bursts
+
+    tl = _serving_timeline()
+    tl.add("compute", "compute", 0.215, 0.4, 6)  # one long step at the end of the first burst
+    path = tmp_path / "served.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(tl.to_dict(), f)
+    timeline_bursts.main([str(path), "--longest", "2"])
+    listed = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if "longest" in line]
+    # the first burst now runs to the long step's end (its four 50 ms steps tie, up to rounding)
+    assert listed[0].startswith("step 6 185.0 ms, step ") and listed[0].endswith(" 50.0 ms")
+    assert listed[1:] == ["step 4 50.0 ms, step 5 40.0 ms"]

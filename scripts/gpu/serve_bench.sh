@@ -24,7 +24,7 @@
 # steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
 # its engine's timeline (every step's spans, each request's arrival) is written to
 # OUTDIR/timeline-LABEL.json ("+" in a label becomes "-" in file names) as it stops, and summarised
-# burst by burst (scripts/timeline_bursts.py: arrivals and their spread, steps, device busy, ms per step;
+# burst by burst (scripts/timeline_bursts.py: arrivals and their spread, steps, device busy, ms per step, the longest steps;
 # the offline run's too) into OUTDIR/bursts.txt.
 # Writes OUTDIR/bench_serve.json + .png (one label per server and mode), OUTDIR/startup.tsv, a log each;
 # after each bench, the CPU seconds of the server's main thread (its HTTP event loop) and of the whole
@@ -107,7 +107,7 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
   awk -v rc=$rc -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "stopped (exit %d) in %.1f s\n", rc, b - a}'
   grep -hE "minibatch: (stopping|since ready)" "$log" 2>/dev/null || true
   local tl=${log%/*}/timeline-${log##*/server-}; tl=${tl%.log}.json
-  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"
+  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" --longest 5 | tee -a "$out/bursts.txt"
 }
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
   local label=$1 r=$2; shift 2
@@ -144,7 +144,7 @@ python3 -m minibatch bench --model "$folder" --device "$device" --modes "${OFFLI
   --prompt-len "$len" --max-new-tokens "$len" "${limits[@]}" --warmup --no-progress --out "$out/offline" \
   > "$out/offline.log" 2>&1; tail -6 "$out/offline.log"
 for tl in "$out"/offline/timeline_*.json; do  # one per mode
-  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" | tee -a "$out/bursts.txt"; done
+  [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" --longest 5 | tee -a "$out/bursts.txt"; done
 fi
 want transformers || { cat "$out/startup.tsv"; exit 0; }
 
