@@ -20,6 +20,7 @@ Times are seconds on the host's `time.perf_counter()` clock, relative to the tim
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import time
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 LANES = ("CPU", "H2D", "compute", "D2H")
 DEVICE_LANES = ("H2D", "compute", "D2H")
 COLORS = {"prepare": "#4C72B0", "update": "#55A868", "H2D": "#C44E52", "compute": "#8172B2",
-          "D2H": "#CCB974", "wait": "#BBBBBB", "delay": "#E1812C"}
+          "D2H": "#CCB974", "wait": "#BBBBBB", "delay": "#E1812C", "gc": "#000000"}
 
 
 @dataclass
@@ -80,6 +81,29 @@ class Timeline:
         finally:
             self.add(lane, name, start, self.now(), step, slot)
 
+    @contextmanager
+    def gc_pauses(self):
+        """Inside, each of Python's full garbage collections (generation 2) becomes a "gc" span on the
+        CPU lane. A full collection walks every object the collector tracks, and whichever thread runs
+        it holds the interpreter lock meanwhile: with torch and a model loaded, every Python thread
+        (a server's loop and its HTTP thread) stops for as long as it takes. The young generations'
+        collections are frequent and short, and left out."""
+        started: list[float] = []
+
+        def callback(phase: str, info: dict) -> None:
+            if info.get("generation") != 2:
+                return
+            if phase == "start":
+                started.append(self.now())
+            elif started:
+                self.add("CPU", "gc", started.pop(), self.now())
+
+        gc.callbacks.append(callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(callback)
+
     # --- summaries -------------------------------------------------------------------------------
     @property
     def wall(self) -> float:
@@ -97,10 +121,11 @@ class Timeline:
 
     def bursts(self, quiet: float = 0.5) -> list[tuple[float, float]]:
         """A serving run's busy periods, as (start, end): from the first arrival of a group of requests
-        to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
-        with no arrival and nothing on the device (an idle server's warm-up and its loads apart)."""
+        to the end of the last span after it, where a group ends at a gap of `quiet` seconds with no
+        arrival and nothing on any lane (an idle server's warm-up and its loads apart; a long host
+        stall, such as a garbage collection, stays inside its burst)."""
         arrivals = sorted(t for t, _ in self.marks)
-        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES]
+        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans]
         out = []
         for a, b in merged(events, bridge=quiet):
             first = bisect.bisect_left(arrivals, a)
@@ -110,7 +135,8 @@ class Timeline:
 
     def window(self, start: float, end: float) -> dict:
         """What happened between `start` and `end` (seconds on this timeline): arrivals and their spread,
-        steps computed, the device's busy share, and the mean wall time per step and compute span."""
+        steps computed, the device's busy share, the mean wall time per step and compute span, and the
+        seconds of full garbage collections (`gc_pauses`) in it."""
         arrivals = sorted(t for t, _ in self.marks if start <= t <= end)
         compute = [s for s in self.spans if s.lane == "compute" and start <= s.start < end]
         device = [(max(s.start, start), min(s.end, end)) for s in self.spans
@@ -120,7 +146,9 @@ class Timeline:
                 "arrival_spread_s": arrivals[-1] - arrivals[0] if arrivals else 0.0,
                 "steps": steps, "device_busy": union_length(device) / wall if wall > 0 else 0.0,
                 "ms_per_step": 1000 * wall / steps if steps else 0.0,
-                "compute_ms": 1000 * sum(s.duration for s in compute) / len(compute) if compute else 0.0}
+                "compute_ms": 1000 * sum(s.duration for s in compute) / len(compute) if compute else 0.0,
+                "gc_s": sum(min(s.end, end) - max(s.start, start) for s in self.spans
+                            if s.name == "gc" and s.end > start and s.start < end)}
 
     def totals(self) -> dict[str, float]:
         """Seconds per span name, e.g. {'prepare': 0.1, 'compute': 0.8, ...}."""

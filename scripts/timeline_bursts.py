@@ -5,8 +5,9 @@
 TIMELINE.json: what `python -m minibatch serve --timeline FILE` writes as the server stops, or a
 `bench --out` timeline (an offline run: one window over the whole file). A burst runs from the first
 arrival of a group of requests to the end of the last device span after it; a gap of `--quiet`
-seconds with no arrival and an idle device ends it (Timeline.bursts). Per burst: the requests that
-arrived and over how long, the steps, the device's busy share, and the wall time per step. Set a
+seconds with nothing recorded ends it (Timeline.bursts). Per burst: the requests that arrived and
+over how long, the steps, the device's busy share, the wall time per step, and the milliseconds of
+full garbage collections where the timeline recorded them (`serve --timeline` does). Set a
 rate-inf burst of the server beside the offline run of the same workload: more steps, longer steps
 or an idle device each point at a different cause. `--longest N` lists each burst's N longest
 compute spans (step number, start, milliseconds): where a burst's time per step is high, whether a
@@ -59,11 +60,12 @@ def main(argv=None) -> None:
     for f in args.files:
         print(f)
         print(f"{'start s':>9} {'wall s':>7} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} "
-              f"{'ms/step':>8} {'compute ms':>10}")
+              f"{'ms/step':>8} {'compute ms':>10} {'gc ms':>6}")
         timeline = load(f)
         for r in rows(timeline, args.quiet):
             print(f"{r['start_s']:9.2f} {r['wall_s']:7.2f} {r['arrivals']:7d} {1000 * r['arrival_spread_s']:8.1f} "
-                  f"{r['steps']:6d} {r['device_busy']:5.0%} {r['ms_per_step']:8.2f} {r['compute_ms']:10.2f}")
+                  f"{r['steps']:6d} {r['device_busy']:5.0%} {r['ms_per_step']:8.2f} {r['compute_ms']:10.2f} "
+                  f"{1000 * r['gc_s']:6.0f}")
             if args.longest:
                 top = longest(timeline, r["start_s"], r["start_s"] + r["wall_s"], args.longest)
                 print("          longest compute: " + ", ".join(f"step {k} {ms:.1f} ms" for k, _, ms in top))

@@ -83,7 +83,7 @@ def servers():
     """Both servers start at once (start-up is mostly imports and loading: they overlap)."""
     big = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64")
     small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE,
-                   "--loop", "asyncio", "--http", "h11")  # the plain stack; the big one takes what is installed
+                   "--loop", "asyncio", "--http", "h11", "--gc-freeze", "off")  # the plain stack, Python's own gc
     try:
         yield big.wait_ready(), small.wait_ready()
     finally:
@@ -143,6 +143,14 @@ def test_models_and_health(server):
     h = server.health()
     assert h["status"] == "ok" and h["kv_blocks"] > 0
     assert {"kv_blocks_free", "running", "waiting"} <= set(h)
+
+
+def test_a_warm_server_keeps_what_it_loaded_out_of_full_garbage_collections(servers):
+    big, small = servers
+    frozen = re.search(r"ready; (\d+) objects kept out of full garbage collections", big.output())
+    assert frozen and int(frozen.group(1)) > 10_000, big.output()  # torch's modules and the model at least
+    assert big.health()["gc_frozen"] > 10_000  # (fewer as frozen objects are freed by their reference counts)
+    assert small.health()["gc_frozen"] == 0 and "kept out of full garbage" not in small.output()
 
 
 def test_openai_client_gives_offline_generate_text(server, client, offline):

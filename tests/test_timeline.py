@@ -143,3 +143,19 @@ def test_timeline_bursts_script_lists_the_longest_steps_of_each_burst_from_a_gzi
     # the first burst now runs to the long step's end (its four 50 ms steps tie, up to rounding)
     assert listed[0].startswith("step 6 185.0 ms, step ") and listed[0].endswith(" 50.0 ms")
     assert listed[1:] == ["step 4 50.0 ms, step 5 40.0 ms"]
+
+
+def test_gc_pauses_records_full_collections_as_spans_a_window_counts():
+    import gc
+
+    tl, before = Timeline(), list(gc.callbacks)
+    with tl.gc_pauses():
+        gc.collect(0)  # a young generation: left out
+        gc.collect()  # a full collection
+    gc.collect()  # after the block: not recorded
+    spans = [s for s in tl.spans if s.name == "gc"]
+    assert len(spans) == 1 and spans[0].lane == "CPU" and spans[0].duration > 0
+    assert gc.callbacks == before  # the callback is gone
+    tl.mark("request 0", at=tl.t0 + spans[0].start - 0.01)
+    (start, end), = tl.bursts()  # a host stall keeps its burst going
+    assert tl.window(start, end)["gc_s"] == pytest.approx(spans[0].duration)

@@ -20,6 +20,7 @@ Notebook 08 explains the server; bench_serve.py measures it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -44,9 +45,10 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature
 class ServerState:
     """What the endpoints share: the model, its engine, the streams still open."""
 
-    def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None, http: str = "auto"):
+    def __init__(self, model, name: str, eos, serving: dict, timeline_path: str | None = None, http: str = "auto",
+                 gc_freeze: bool = True):
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
-        self.timeline_path = timeline_path
+        self.timeline_path, self.gc_freeze = timeline_path, gc_freeze
         self.http = http  # uvicorn's HTTP parser, as serve was asked for it
         self.engine = None
         self.open: set = set()  # streams not yet finished or given up
@@ -187,6 +189,17 @@ def _warm_up(state: ServerState) -> None:
         state.engine.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
 
 
+def _freeze_heap() -> int:
+    """Move every object alive now (modules, the model, compiled code, the warm-up's graphs) out of
+    the garbage collector's reach -> how many. They live as long as the server; left in, each full
+    collection walks all of them while holding the interpreter lock, and a streaming server allocates
+    enough to run one every few thousand steps: a stall of every request at once (BENCHMARKS.md,
+    Serving). Collected once first, so that no garbage of the start-up is kept for good."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def _http_stack(http: str) -> str:
     """Which event loop and HTTP parser uvicorn runs (for "auto": what uvicorn found installed)."""
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
@@ -205,11 +218,13 @@ def create_app(state: ServerState):
 
         timeline = Timeline(limit=SERVING_TIMELINE_LIMIT)  # the engine's default, held here to be saved
         try:
-            with Engine(state.model) as engine, engine.serving(**state.serving, timeline=timeline):
+            with timeline.gc_pauses(), Engine(state.model) as engine, engine.serving(**state.serving,
+                                                                                     timeline=timeline):
                 state.engine = engine
                 await asyncio.to_thread(_warm_up, state)
+                frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.gc_freeze else ""
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
-                      f"({_http_stack(state.http)}); ready", file=sys.stderr, flush=True)
+                      f"({_http_stack(state.http)}); ready{frozen}", file=sys.stderr, flush=True)
                 ready = time.monotonic(), time.thread_time(), engine.stats()["loop_cpu_s"]
                 try:
                     yield
@@ -255,7 +270,7 @@ def create_app(state: ServerState):
     async def health():
         if state.engine is None:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", **state.engine.stats(), "cancelled": state.cancelled}
+        return {"status": "ok", **state.engine.stats(), "cancelled": state.cancelled, "gc_frozen": gc.get_freeze_count()}
 
     return app
 
@@ -270,7 +285,8 @@ def model_eos(model):
 
 
 def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch_interval_ms: float | None = None,
-          timeline: str | None = None, loop: str = "auto", http: str = "auto", **serving) -> int:
+          timeline: str | None = None, loop: str = "auto", http: str = "auto", gc_freeze: bool = True,
+          **serving) -> int:
     """Run the server until SIGINT or SIGTERM -> exit status (0 after a clean stop, 1 if startup failed).
     Bad serving limits raise here, before the server listens (the engine checks them again as it opens).
     `timeline`: a file the engine's Timeline is written to as the server stops (every step's spans and
@@ -278,7 +294,9 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
     `loop` and `http`: uvicorn's event loop and HTTP parser; "auto" takes uvloop and httptools where
     they are installed (the `serve` extra installs them), which cost the HTTP thread about a quarter less
     CPU per streamed token than asyncio's loop and the pure-Python h11 (BENCHMARKS.md, Serving); that
-    thread shares the interpreter, and so the GIL, with the engine's loop."""
+    thread shares the interpreter, and so the GIL, with the engine's loop. `gc_freeze`: once warm, keep
+    the objects alive then out of Python's full garbage collections (`_freeze_heap`); the timeline
+    records each full collection as a "gc" span either way."""
     from ..engine.config import serving_config
 
     serving_config(model, **{k: v for k, v in serving.items() if k != "max_queue"})  # max_queue: the loop's own
@@ -288,7 +306,7 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
         if value == module and importlib.util.find_spec(module) is None:
             raise ValueError(f"--{option} {module} needs the {module} package (pip install {module}, or "
                              "minibatch's serve extra)")
-    state = ServerState(model, name, model_eos(model), serving, timeline, http)
+    state = ServerState(model, name, model_eos(model), serving, timeline, http, gc_freeze)
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=1, loop=loop, http=http)
 

@@ -41,7 +41,8 @@ def serve_cmd(args) -> None:
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
                  compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
-                 switch_interval_ms=args.switch_interval_ms, timeline=args.timeline, loop=args.loop, http=args.http)
+                 switch_interval_ms=args.switch_interval_ms, timeline=args.timeline, loop=args.loop, http=args.http,
+                 gc_freeze=args.gc_freeze == "on")
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()
@@ -82,6 +83,9 @@ def add_serving(sub) -> None:
     s.add_argument("--switch-interval-ms", type=_float(0.0, low_open=True), default=None,
                    help="how long a Python thread may hold the GIL while another waits for it (Python's "
                         "default: 5 ms); the HTTP event loop and the engine's loop share one interpreter")
+    s.add_argument("--gc-freeze", choices=["on", "off"], default="on",
+                   help="once warm, keep the objects alive then (modules, model, compiled code) out of Python's full "
+                        "garbage collections, each of which would stop every request while it walks them all")
     s.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="uvicorn's event loop (auto: uvloop where installed)")
     s.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
