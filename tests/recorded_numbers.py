@@ -166,9 +166,24 @@ def serving_compile() -> dict:
             "cached_start_s": starts["async+compile-cached"]}
 
 
+def serving_gc() -> dict:
+    """Full garbage collections: in the 8B server's timeline (H200, unfrozen heap), and one collection's
+    time before and after gc.freeze on the CPU (tiny model loaded)."""
+    import gzip
+
+    with gzip.open(DATA / "runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz", "rt") as f:
+        spans = json.load(f)["spans"]
+    pauses = [1000 * (s["end"] - s["start"]) for s in spans if s["name"] == "gc" and s["start"] > 60]  # after ready
+    cpu = (DATA / "runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt").read_text()
+    before, after = (float(x) for x in re.search(r"([\d.]+) ms before the freeze, ([\d.]+) ms after", cpu).groups())
+    return {"gpu_pause_min_ms": min(pauses), "gpu_pause_max_ms": max(pauses),
+            "cpu_full_collect_ms": before, "cpu_frozen_collect_ms": after}
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
-            "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile}
+            "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
+            "serving_gc": serving_gc}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -189,7 +204,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "serving_compile": ["figures/data/runs/gpu_serving_compile_2026-12-02/bench_serve.json",
                                "figures/data/runs/gpu_serving_compile_2026-12-02/offline_bench.json",
                                "figures/data/runs/gpu_serving_compile_2026-12-02/startup.tsv",
-                               "figures/data/runs/gpu_serving_compile_2026-12-01/fixed/startup.tsv"]}
+                               "figures/data/runs/gpu_serving_compile_2026-12-01/fixed/startup.tsv"],
+           "serving_gc": ["figures/data/runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz",
+                          "figures/data/runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt"]}
 
 
 def derive() -> dict:

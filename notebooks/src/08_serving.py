@@ -422,6 +422,15 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # 5504 <!-- from figures/data/headline.json: serving_compile.warm_inf_tok_s --> (the offline engine: 6975 <!-- from figures/data/headline.json: serving_compile.offline_dynamic_tok_s -->), its steps now as fast as offline; the rest is
 # the start and end of a short run, as above. A server's first minutes are not its steady state.
 #
+# The last stall came from Python itself. Now and then the garbage collector makes a full pass: it
+# walks every object it tracks, looking for cycles, and whichever thread runs it holds the
+# interpreter lock all the while. A process that has imported torch and transformers and loaded a
+# model tracks hundreds of thousands of objects, so every stream stopped at once: for
+# 305 <!-- from figures/data/headline.json: serving_gc.gpu_pause_min_ms -->-314 <!-- from figures/data/headline.json: serving_gc.gpu_pause_max_ms --> ms per pass in an 8B server on the H200, a `gc` span in its timeline with the
+# device idle beside it. Those objects live as long as the server, so once it is warm `serve` moves
+# them out of the collector's reach with `gc.freeze()`; on a 2-core CPU one full pass then took
+# 29.8 <!-- from figures/data/headline.json: serving_gc.cpu_frozen_collect_ms --> ms instead of 365 <!-- from figures/data/headline.json: serving_gc.cpu_full_collect_ms --> ms. Latency has sources below your own code: measure them too.
+#
 # ## Summary
 #
 # * An online engine is the same loop in a thread of its own: requests join at step boundaries,
