@@ -128,6 +128,11 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   stop
 }
 
+# cut short (e.g. by `timeout`, which signals the whole process group): wait for the running server to
+# write its stop line and timeline before this script exits, so that a cut run still leaves them
+pid=
+trap '[ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && stop; exit 143' TERM INT
+
 want sync && ours sync "$rates" --mode sync
 want async && ours async "$rates" --mode async
 want allgraphs && [ "$device" != cpu ] && ours async-all-graphs "$rates" --mode async --cuda-graphs on
