@@ -65,13 +65,14 @@ class Timeline:
     def add(self, lane: str, name: str, start: float, end: float, step: int = -1, slot: int = -1) -> None:
         self.spans.append(Span(lane, name, start, end, step, slot))
         if self.limit is not None and len(self.spans) > 2 * self.limit:
-            del self.spans[: self.limit]
+            # down to the newest `limit`, however many got here at once (gc_pauses adds from any thread)
+            del self.spans[: len(self.spans) - self.limit]
 
     def mark(self, label: str, at: float | None = None) -> None:
         """A point in time worth seeing on the plot, e.g. a request's arrival (`at`: perf_counter seconds)."""
         self.marks.append(((self.now() if at is None else at - self.t0), label))
         if self.limit is not None and len(self.marks) > 2 * self.limit:
-            del self.marks[: self.limit]
+            del self.marks[: len(self.marks) - self.limit]
 
     @contextmanager
     def span(self, lane: str, name: str, step: int = -1, slot: int = -1):
@@ -121,16 +122,20 @@ class Timeline:
 
     def bursts(self, quiet: float = 0.5) -> list[tuple[float, float]]:
         """A serving run's busy periods, as (start, end): from the first arrival of a group of requests
-        to the end of the last span after it, where a group ends at a gap of `quiet` seconds with no
-        arrival and nothing on any lane (an idle server's warm-up and its loads apart; a long host
-        stall, such as a garbage collection, stays inside its burst)."""
+        to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
+        with no arrival and nothing on any lane (an idle server's warm-up and its loads apart; a long
+        host stall, such as a garbage collection, stays inside its burst)."""
         arrivals = sorted(t for t, _ in self.marks)
-        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans]
+        device = sorted((s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES)
+        events = [(t, t) for t in arrivals] + device + [(s.start, s.end) for s in self.spans
+                                                        if s.lane not in DEVICE_LANES]
         out = []
         for a, b in merged(events, bridge=quiet):
             first = bisect.bisect_left(arrivals, a)
             if first < len(arrivals) and arrivals[first] <= b:  # a period with no arrival is no burst
-                out.append((arrivals[first], b))
+                inside = device[bisect.bisect_left(device, (a, a)):bisect.bisect_right(device, (b, b))]
+                last = arrivals[bisect.bisect_right(arrivals, b) - 1]
+                out.append((arrivals[first], max([e for _, e in inside] + [last])))
         return out
 
     def window(self, start: float, end: float) -> dict:

@@ -157,5 +157,9 @@ def test_gc_pauses_records_full_collections_as_spans_a_window_counts():
     assert len(spans) == 1 and spans[0].lane == "CPU" and spans[0].duration > 0
     assert gc.callbacks == before  # the callback is gone
     tl.mark("request 0", at=tl.t0 + spans[0].start - 0.01)
-    (start, end), = tl.bursts()  # a host stall keeps its burst going
+    tl.add("compute", "compute", spans[0].end + 0.2, spans[0].end + 0.3, 0)  # the step after the stall
+    (start, end), = tl.bursts()  # a host stall keeps its burst going, which ends with the device
+    assert end == pytest.approx(spans[0].end + 0.3)
     assert tl.window(start, end)["gc_s"] == pytest.approx(spans[0].duration)
+    tl.add("CPU", "update", end, end + 0.05, 0)  # host work after the last step does not lengthen it
+    assert tl.bursts() == [(start, end)]

@@ -238,6 +238,7 @@ def create_app(state: ServerState):
                           file=sys.stderr, flush=True)
                     state.engine = None
         finally:  # also after a failure: the steps before it are what explains it
+            gc.unfreeze()  # what the engine held in reference cycles can go now
             if state.timeline_path is not None:
                 try:
                     timeline.save(state.timeline_path)

@@ -108,6 +108,7 @@ stop() {  # SIGTERM, then the time it took to exit and the server's own stop lin
   grep -hE "minibatch: (stopping|since ready)" "$log" 2>/dev/null || true
   local tl=${log%/*}/timeline-${log##*/server-}; tl=${tl%.log}.json
   [ -f "$tl" ] && python3 scripts/timeline_bursts.py "$tl" --longest 5 | tee -a "$out/bursts.txt"
+  pid=  # gone: nothing for the trap below to stop
 }
 sends() {  # sends LABEL RATES [BENCH-SERVE FLAGS...]: bench-serve against the running server
   local label=$1 r=$2; shift 2
@@ -131,7 +132,9 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
 # cut short (e.g. by `timeout`, which signals the whole process group): wait for the running server to
 # write its stop line and timeline before this script exits, so that a cut run still leaves them
 pid=
-trap '[ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && stop; exit 143' TERM INT
+cut() { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && stop; exit "$1"; }
+trap 'cut 143' TERM
+trap 'cut 130' INT
 
 want sync && ours sync "$rates" --mode sync
 want async && ours async "$rates" --mode async
