@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import gzip
 import json
 import time
 from contextlib import contextmanager
@@ -127,8 +128,7 @@ class Timeline:
         host stall, such as a garbage collection, stays inside its burst)."""
         arrivals = sorted(t for t, _ in self.marks)
         device = sorted((s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES)
-        events = [(t, t) for t in arrivals] + device + [(s.start, s.end) for s in self.spans
-                                                        if s.lane not in DEVICE_LANES]
+        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans]
         out = []
         for a, b in merged(events, bridge=quiet):
             first = bisect.bisect_left(arrivals, a)
@@ -177,12 +177,14 @@ class Timeline:
         return tl
 
     def save(self, path) -> None:
-        with open(path, "w") as f:
+        """JSON; gzipped where the name ends in .gz (how recorded runs keep their larger timelines)."""
+        with _open(path, "w") as f:
             json.dump(self.to_dict(), f)
 
     @classmethod
     def load(cls, path) -> "Timeline":
-        with open(path) as f:
+        """What `save` wrote (a .gz name: gzipped JSON)."""
+        with _open(path, "r") as f:
             return cls.from_dict(json.load(f))
 
     def to_chrome_trace(self, path) -> None:
@@ -249,6 +251,10 @@ class Timeline:
         busy = self.device_busy()
         ax.set_title(title or f"device busy {busy:.0%} of the time")
         return ax
+
+
+def _open(path, mode: str):
+    return gzip.open(path, mode + "t") if str(path).endswith(".gz") else open(path, mode)
 
 
 def merged(intervals, bridge: float = 0.0) -> list[tuple[float, float]]:

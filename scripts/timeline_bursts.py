@@ -17,8 +17,6 @@ few steps or all of them are to blame.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
@@ -44,13 +42,6 @@ def longest(timeline: Timeline, start: float, end: float, n: int) -> list[tuple[
     return [(s.step, s.start, 1000 * s.duration) for s in spans[:n]]
 
 
-def load(path: str) -> Timeline:
-    if path.endswith(".gz"):  # recorded runs keep their larger timelines compressed
-        with gzip.open(path, "rt") as f:
-            return Timeline.from_dict(json.load(f))
-    return Timeline.load(path)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+")
@@ -61,7 +52,7 @@ def main(argv=None) -> None:
         print(f)
         print(f"{'start s':>9} {'wall s':>7} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} "
               f"{'ms/step':>8} {'compute ms':>10} {'gc ms':>6}")
-        timeline = load(f)
+        timeline = Timeline.load(f)
         for r in rows(timeline, args.quiet):
             print(f"{r['start_s']:9.2f} {r['wall_s']:7.2f} {r['arrivals']:7d} {1000 * r['arrival_spread_s']:8.1f} "
                   f"{r['steps']:6d} {r['device_busy']:5.0%} {r['ms_per_step']:8.2f} {r['compute_ms']:10.2f} "

@@ -169,11 +169,10 @@ def serving_compile() -> dict:
 def serving_gc() -> dict:
     """Full garbage collections: in the 8B server's timeline (H200, unfrozen heap), and one collection's
     time before and after gc.freeze on the CPU (tiny model loaded)."""
-    import gzip
+    from minibatch.timeline import Timeline
 
-    with gzip.open(DATA / "runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz", "rt") as f:
-        spans = json.load(f)["spans"]
-    pauses = [1000 * (s["end"] - s["start"]) for s in spans if s["name"] == "gc" and s["start"] > 60]  # after ready
+    spans = Timeline.load(DATA / "runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz").spans
+    pauses = [1000 * s.duration for s in spans if s.name == "gc" and s.start > 60]  # after ready
     cpu = (DATA / "runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt").read_text()
     before, after = (float(x) for x in re.search(r"([\d.]+) ms before the freeze, ([\d.]+) ms after", cpu).groups())
     return {"gpu_pause_min_ms": min(pauses), "gpu_pause_max_ms": max(pauses),
