@@ -74,31 +74,33 @@ def test_inductor_compile_runs_a_graph():
     assert list_mode_options("max-autotune-no-cudagraphs", dynamic=False)  # the mode names the runner passes
 
 
-def test_raise_recompile_limit_only_raises(monkeypatch):
+def test_raise_recompile_limit_only_raises():
     import torch._dynamo as dynamo
 
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 8)
-    compat.raise_recompile_limit(64)
-    assert dynamo.config.recompile_limit == 64
-    compat.raise_recompile_limit(16)
-    assert dynamo.config.recompile_limit == 64  # never lowered
+    # torch's own patch restores the limit after the block; monkeypatch.setattr on torch's config
+    # module deletes the attribute on undo under pytest >= 9.2, which breaks every later compile
+    with dynamo.config.patch(recompile_limit=8):
+        compat.raise_recompile_limit(64)
+        assert dynamo.config.recompile_limit == 64
+        compat.raise_recompile_limit(16)
+        assert dynamo.config.recompile_limit == 64  # never lowered
 
 
-def test_raise_recompile_limit_lets_many_shapes_compile(monkeypatch):
+def test_raise_recompile_limit_lets_many_shapes_compile():
     import torch._dynamo as dynamo
 
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 2)
-    compat.raise_recompile_limit(12)
     compiles = []
 
     def backend(gm, example_inputs):
         compiles.append(1)
         return gm.forward
 
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x: x + 1, backend=backend, dynamic=False)
-    for n in range(1, 7):  # six shapes: past the old limit of 2, under the new one
-        fn(torch.zeros(n))
+    with dynamo.config.patch(recompile_limit=2):
+        compat.raise_recompile_limit(12)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: x + 1, backend=backend, dynamic=False)
+        for n in range(1, 7):  # six shapes: past the old limit of 2, under the new one
+            fn(torch.zeros(n))
     assert len(compiles) == 6
 
 
