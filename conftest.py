@@ -44,6 +44,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"{path.name} was edited: see test_notebook_matches_its_source"))
 
 
+def pytest_report_header(config):
+    # a failure that only the newest releases show is read against these (CI installs afresh each run)
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    names = ("torch", "transformers", "nbval", "jupyterlab", "ipykernel", "fastapi", "openai")
+    return f"python {sys.executable}: " + ", ".join(f"{n} {v(n)}" for n in names)
+
+
 def pytest_runtest_logreport(report):
     if report.nodeid.split("::")[0].endswith(".ipynb"):
         _notebook_seconds[report.nodeid.split("::")[0]] += report.duration
