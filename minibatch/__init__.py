@@ -7,12 +7,18 @@
     with minibatch.Engine(model) as engine:       # keeps its KV cache, IO slots and CUDA graphs
         outs = engine.generate(["The for statement"], max_new_tokens=64, mode="async")
 
+    params = minibatch.SamplingParams(max_new_tokens=64, temperature=0.7)   # per request
+    config = minibatch.EngineConfig(mode="async", max_batch_size=8)         # per run
+    outs = minibatch.generate(model, ["The for statement"], params, config=config)
+
 See README.md for the notebook map; each module's docstring says which notebook explains it.
 """
 
+from .batching.requests import SamplingParams
+from .engine.config import EngineConfig
 from .engine.engine import Engine, generate
 from .model.model import Model, load_model
 from .timeline import Timeline
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "generate", "load_model", "Model", "Timeline", "__version__"]
+__all__ = ["Engine", "EngineConfig", "generate", "load_model", "Model", "SamplingParams", "Timeline", "__version__"]

@@ -54,13 +54,13 @@ def check_01(ragged_layout) -> None:
     if _not_yet(ragged_layout, "ragged_layout"):
         return
     from minibatch.batching.batch import build_batch
-    from minibatch.batching.requests import Request
+    from minibatch.batching.requests import Request, SamplingParams
     from minibatch.batching.scheduler import Scheduler
 
     cache = _tiny().make_cache(num_blocks=32, block_size=4)
     sched = Scheduler(cache.allocator, max_batch_tokens=8, max_batch_size=3)
     for i, n in enumerate([10, 3, 7, 5]):
-        sched.add(Request(i, [1] * n, 4))
+        sched.add(Request(i, [1] * n, SamplingParams(max_new_tokens=4)))
     while sched.has_work():  # mixed steps: chunked prefills, last chunks that sample, decode tokens
         plan = sched.schedule()
         host = build_batch(plan, cache)

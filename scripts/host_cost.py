@@ -22,6 +22,7 @@ does) and the fastest step's total ("best"); writes host_cost.json into the outp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import platform
@@ -52,6 +53,15 @@ def _module(pkg: str, name: str):
         return type("buckets", (), {"ROW_BUCKETS": step.ROW_BUCKETS, "bucket": staticmethod(batch.bucket)})
 
 
+def _request(R, rid: int, prompt: list[int], new_tokens: int, temperature: float):
+    """A request of the `requests` module R: its SamplingParams holds max_new_tokens, or (an older checkout)
+    the Request takes it beside them."""
+    params = R.SamplingParams(temperature, 0, 1.0, rid)
+    if "max_new_tokens" in {f.name for f in dataclasses.fields(R.SamplingParams)}:
+        return R.Request(rid, prompt, params.replace(max_new_tokens=new_tokens))
+    return R.Request(rid, prompt, new_tokens, params)
+
+
 def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout: bool,
                temperature: float = 0.0):
     """Set up `rows` requests with `context`-token prompts, prefilled (not timed), and return a function
@@ -62,8 +72,7 @@ def host_steps(pkg, dev, rows: int, context: int, new_tokens: int, decode_layout
     m = {name: _module(pkg, name) for name in ("batch", "scheduler", "requests", "kv_cache", "slots", "carry_over")}
     m["buckets"] = _module(pkg, "buckets")
     R = m["requests"]
-    reqs = [R.Request(i, [(i + j) % 1000 for j in range(context)], new_tokens,
-                      R.SamplingParams(temperature, 0, 1.0, i)) for i in range(rows)]
+    reqs = [_request(R, i, [(i + j) % 1000 for j in range(context)], new_tokens, temperature) for i in range(rows)]
     blocks = sum(-(-r.max_len // BLOCK_SIZE) for r in reqs)
     cache = m["kv_cache"].PagedKVCache(1, 1, 1, blocks, BLOCK_SIZE)  # storage size is irrelevant to host cost
     sched = m["scheduler"].Scheduler(cache.allocator, max(rows, 8192), rows)

@@ -31,7 +31,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         cells.extend(request_cells(cache, r.blocks, c.start, c.end))
         if c.sample:
             logits_idx.append(len(ids) - 1)
-            s = r.sampling
+            s = r.params
             samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
 
     ends = [c.end for c in plan.chunks]

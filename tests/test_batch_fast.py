@@ -41,8 +41,9 @@ def test_fast_builder_equals_reference(w):
     """Every step of a random workload, both layouts; with `in_flight`, tokens reach the requests one
     step late, as in the async loop, so decode inputs are placeholders."""
     bs = w["block_size"]
-    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], w["max_new"][i], SamplingParams(w["temperature"][i], seed=i),
-                    eos_token_id=w["eos"]) for i, n in enumerate(w["prompts"])]
+    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)],
+                    SamplingParams(w["temperature"][i], seed=i, max_new_tokens=w["max_new"][i], eos_token_id=w["eos"]))
+            for i, n in enumerate(w["prompts"])]
     cache = PagedKVCache(1, 1, 1, sum(-(-r.max_len // bs) for r in reqs), bs)
     sched = Scheduler(cache.allocator, w["max_batch_size"] + w["extra_budget"], w["max_batch_size"])
     for r in reqs:
@@ -67,7 +68,7 @@ def test_fast_builder_equals_reference(w):
 
 def test_decode_table_is_copied_while_an_earlier_batch_lives():
     """The incremental decode key table must not change a batch that was built before."""
-    reqs = [Request(i, list(range(5 + 3 * i)), 20) for i in range(3)]
+    reqs = [Request(i, list(range(5 + 3 * i)), SamplingParams(max_new_tokens=20)) for i in range(3)]
     cache = PagedKVCache(1, 1, 1, 30, 4)
     sched = Scheduler(cache.allocator, 64, 3)
     for r in reqs:
@@ -94,7 +95,7 @@ def test_slots_loaded_by_what_changed_hold_the_whole_batch(w):
     from minibatch.batching.slots import IOSlot
 
     bs = w["block_size"]
-    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], w["max_new"][i], eos_token_id=w["eos"])
+    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], SamplingParams(max_new_tokens=w["max_new"][i], eos_token_id=w["eos"]))
             for i, n in enumerate(w["prompts"])]
     cache = PagedKVCache(1, 1, 1, sum(-(-r.max_len // bs) for r in reqs), bs)
     sched = Scheduler(cache.allocator, w["max_batch_size"] + w["extra_budget"], w["max_batch_size"])

@@ -26,7 +26,7 @@ def decode_batch(model, cache, rows: int, seed: int, sampling: SamplingParams = 
     g = torch.Generator().manual_seed(seed)
     for i in range(rows):
         prompt = torch.randint(1, model.vocab_size, (5 + 7 * i,), generator=g).tolist()
-        scheduler.add(Request(i, prompt, 4, dataclasses.replace(sampling, seed=seed + i)))
+        scheduler.add(Request(i, prompt, sampling.replace(seed=seed + i, max_new_tokens=4)))
     plan = scheduler.schedule()
     scheduler.update(plan, model.next_tokens(build_batch(plan, cache, model.kv_bucket), cache).tolist())
     return build_batch(scheduler.schedule(), cache, model.kv_bucket, True, ROW_BUCKETS, model.decode_kv_bucket)

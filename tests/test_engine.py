@@ -67,7 +67,7 @@ def plans(model):
     cache = model.make_cache(32, 4)
     sched = Scheduler(cache.allocator, max_batch_tokens=6, max_batch_size=4)
     for i, p in enumerate([[5, 6], [7] * 9, [8, 9, 10]]):
-        sched.add(Request(i, p, 4, SamplingParams(temperature=0.7, seed=i)))
+        sched.add(Request(i, p, SamplingParams(temperature=0.7, seed=i, max_new_tokens=4)))
     seen = []
     while sched.has_work():
         seen.append(sched.schedule())
@@ -114,7 +114,7 @@ def test_padding_a_flat_batch_changes_no_real_row(name):
 def test_step_by_step_equals_generate(random_llama):
     ref = minibatch.generate(random_llama, WORK, mode="async", **KW)
     with minibatch.Engine(random_llama) as engine:
-        requests = [Request(i, p, KW["max_new_tokens"]) for i, p in enumerate(WORK)]
+        requests = [Request(i, p, SamplingParams(max_new_tokens=KW["max_new_tokens"])) for i, p in enumerate(WORK)]
         engine.start(requests, "async", max_batch_tokens=8, max_batch_size=4, block_size=4)
         finished = []
         while engine.has_work():

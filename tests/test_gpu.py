@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.batching.requests import Request
+from minibatch.batching.requests import Request, SamplingParams
 from minibatch.batching.buckets import KEY_BUCKETS, TOKEN_BUCKETS
 from minibatch.runner.compiled import CompiledStep
 from minibatch.tools.floors import pool_memory
@@ -244,7 +244,7 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch):
             for mode in ("sync", "async"):
                 kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
                 ref = engine.generate(work, mode=mode, arrival_steps=arrivals, **kw)  # warm-up: captures, loads
-                requests = [Request(i, p, 16, arrival_step=a)
+                requests = [Request(i, p, SamplingParams(max_new_tokens=16), arrival_step=a)
                             for i, (p, a) in enumerate(zip(work, arrivals))]
                 engine.start(requests, mode, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
                 monkeypatch.setattr(CudaEvent, "synchronize", intended_wait)

@@ -371,13 +371,13 @@ def test_online_equals_offline_on_the_gpu(mode):
 def test_an_update_wakes_each_event_loop_once():
     """Loop.deliver gathers the wake-ups of every stream a step fed (stream.Wakeups): an asyncio reader
     costs the engine's thread one call_soon_threadsafe per event loop and update, not one per stream."""
-    from minibatch.engine.stream import Chunk, Stream, Wakeups
+    from minibatch.engine.stream import Chunk, TokenStream, Wakeups
 
     loop = asyncio.new_event_loop()
     calls = []
     threadsafe = loop.call_soon_threadsafe
     loop.call_soon_threadsafe = lambda *a: (calls.append(a[0]), threadsafe(*a))[1]
-    streams = [Stream(i, 1) for i in range(5)]
+    streams = [TokenStream(i, 1) for i in range(5)]
     got = {s.rid: [] for s in streams}
 
     async def read(s):

@@ -21,7 +21,7 @@ from minibatch.model import triton_decode  # noqa: E402
 from minibatch.batching.batch import build_batch  # noqa: E402
 from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
 from minibatch.model.attention import PagedMeta, _decode_attention  # noqa: E402
-from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
 from minibatch.batching.scheduler import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -42,7 +42,7 @@ def _decode_batch(ctx_lens, block_size=4, bucket=8):
     cache = PagedKVCache(1, kv_heads, dim, 256, block_size, device=DEVICE, dtype=torch.float32)
     sched = Scheduler(cache.allocator, 512, 8)
     for i, n in enumerate(ctx_lens):
-        sched.add(Request(i, [1] * n, 4))
+        sched.add(Request(i, [1] * n, SamplingParams(max_new_tokens=4)))
     sched.update(sched.schedule(), [2] * len(ctx_lens))  # prefill (nothing computed: we fill the cache by hand)
     batch = build_batch(sched.schedule(), cache, bucket, True, ROW_BUCKETS).to(DEVICE)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))

@@ -86,13 +86,13 @@ def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)
     for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]):
-        sched.add(Request(i, p, 4))
+        sched.add(Request(i, p, SamplingParams(max_new_tokens=4)))
     batch = build_batch(sched.schedule(), cache)
     assert batch.all_greedy
     fast = random_llama.next_tokens(batch, cache)
     full = random_llama.next_tokens(dataclasses.replace(batch, all_greedy=False), cache)
     assert torch.equal(fast, full)
-    sched.add(Request(3, [7, 7], 4, SamplingParams(temperature=0.8, seed=1)))
+    sched.add(Request(3, [7, 7], SamplingParams(temperature=0.8, seed=1, max_new_tokens=4)))
     assert not build_batch(sched.schedule(), cache).all_greedy  # one sampled row: the full sampler
 
 
@@ -119,7 +119,7 @@ def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)
     for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7, 8]]):
-        sched.add(Request(i, p, 4, SamplingParams(temperature=0.9, seed=i)))
+        sched.add(Request(i, p, SamplingParams(temperature=0.9, seed=i, max_new_tokens=4)))
     batch = build_batch(sched.schedule(), cache)
     assert batch.unfiltered and not batch.all_greedy
     fast = random_llama.next_tokens(batch, cache)
@@ -128,8 +128,8 @@ def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
     for filtering in (SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0.9, top_p=0.9)):
         cache = random_llama.make_cache(32, 4)
         sched = Scheduler(cache.allocator, 64, 8)
-        sched.add(Request(0, [1, 2, 3], 4, SamplingParams(temperature=0.9)))
-        sched.add(Request(1, [7, 7], 4, filtering))
+        sched.add(Request(0, [1, 2, 3], SamplingParams(temperature=0.9, max_new_tokens=4)))
+        sched.add(Request(1, [7, 7], filtering.replace(max_new_tokens=4)))
         assert not build_batch(sched.schedule(), cache).unfiltered  # one filtering row: the sorted path
 
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from minibatch.batching.batch import build_batch
 from minibatch.batching.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
-from minibatch.batching.requests import Request, RequestState
+from minibatch.batching.requests import Request, RequestState, SamplingParams
 from minibatch.batching.scheduler import Scheduler
 
 VOCAB = 50
@@ -32,7 +32,7 @@ workloads = st.fixed_dictionaries({
 @given(workloads)
 def test_scheduler_invariants(w):
     bs = w["block_size"]
-    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], w["max_new"][i], eos_token_id=w["eos"])
+    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], SamplingParams(max_new_tokens=w["max_new"][i], eos_token_id=w["eos"]))
             for i, n in enumerate(w["prompts"])]
     biggest = max(-(-r.max_len // bs) for r in reqs)
     cache = PagedKVCache(1, 1, 1, biggest + w["spare_blocks"], bs)
@@ -85,13 +85,13 @@ def test_allocator_refuses_double_free_and_overdraw():
 def test_request_that_never_fits_is_rejected_up_front():
     sched = Scheduler(BlockAllocator(2, 4), 16, 4)
     with pytest.raises(ValueError, match="could never run"):
-        sched.add(Request(0, [1] * 9, max_new_tokens=1))
+        sched.add(Request(0, [1] * 9, SamplingParams(max_new_tokens=1)))
 
 
 def test_requests_wait_when_the_cache_is_full():
     alloc = BlockAllocator(2, 4)
     sched = Scheduler(alloc, 16, 4)
-    a, b = Request(0, [1] * 4, 5), Request(1, [2] * 4, 5)  # each needs 8 tokens = 2 blocks
+    a, b = Request(0, [1] * 4, SamplingParams(max_new_tokens=5)), Request(1, [2] * 4, SamplingParams(max_new_tokens=5))  # each needs 8 tokens = 2 blocks
     sched.add(a), sched.add(b)
     plan = sched.schedule()
     assert [c.request for c in plan.chunks] == [a] and b.state == RequestState.WAITING

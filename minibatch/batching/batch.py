@@ -134,9 +134,9 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     """
     n = len(plan.chunks)
     tables, ids, starts, ends, counts, sample, sampled, decode = _gather(plan.chunks, cache.allocator, decode_layout)
-    temp = [r.sampling.temperature for r in sampled]
-    samp = [[r.sampling.top_k for r in sampled], [r.sampling.top_p for r in sampled],
-            [r.sampling.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
+    temp = [r.params.temperature for r in sampled]
+    samp = [[r.params.top_k for r in sampled], [r.params.top_p for r in sampled],
+            [r.params.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
     rows = bucket(n, row_buckets) if decode else n
     if rows > n:  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
         starts, ends, counts, sample = _pad_rows(rows - n, cache.scratch_cell, tables, ids, temp, samp,

@@ -15,8 +15,13 @@ tensors that `batch.py` builds from the scheduler's plan.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
+
+from ..args import INT64_MAX, _int, _number
 
 
 class RequestState(enum.Enum):
@@ -28,7 +33,14 @@ class RequestState(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. temperature == 0 means greedy (argmax).
+    """How one request is continued: the one list of per-request options, checked once, here.
+
+    `generate(..., temperature=0.7)`, `Engine.submit(...)` and the HTTP server all build one of
+    these, so a bad value gets the same error wherever it comes from. temperature == 0 means greedy
+    (argmax); `top_k=0` and `top_p=1.0` switch those filters off. Generation stops at an
+    `eos_token_id` (kept in the output), after `max_new_tokens`, or (online) where the text holds
+    one of the `stop` strings. What needs the model (ids inside its vocabulary, a tokenizer for stop
+    strings) is checked by `for_model`.
 
     Sampling is seeded per request: the random numbers for a request's k-th generated token depend
     only on (seed, k), never on which other requests share the batch, so a sync run and an async run
@@ -39,19 +51,61 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
     seed: int = 0
+    max_new_tokens: int = 64
+    eos_token_id: int | frozenset[int] | None = None  # one id, or several (Llama-3 lists several)
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        put = object.__setattr__  # frozen: the checked (normalised) values replace what was given
+        put(self, "temperature", _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0))
+        put(self, "top_k", _int("top_k", self.top_k, low=0))
+        put(self, "top_p", _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
+        put(self, "seed", _int("seed", self.seed, low=0, high=INT64_MAX))  # travels to the device as int64
+        put(self, "max_new_tokens", _int("max_new_tokens", self.max_new_tokens))
+        put(self, "eos_token_id", _eos(self.eos_token_id))
+        put(self, "stop", _stops(self.stop))
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with some options changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def for_model(self, model) -> "SamplingParams":
+        """These options checked against a model: eos ids inside its vocabulary, a tokenizer to match
+        stop strings; a `top_k` beyond the vocabulary keeps every token (as 0 does), so it is clamped."""
+        eos = self.eos_token_id
+        bad = sorted(t for t in ([eos] if isinstance(eos, int) else eos or ()) if not 0 <= t < model.vocab_size)
+        if bad:
+            raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+        if self.stop and model.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer to decode text, and model {model.name!r} has none")
+        return self.replace(top_k=min(self.top_k, model.vocab_size)) if self.top_k > model.vocab_size else self
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _eos(eos: Any) -> int | frozenset[int] | None:
+    if eos is None:
+        return None
+    one = isinstance(eos, numbers.Integral) and not isinstance(eos, bool)
+    ids = [eos] if one else list(eos) if isinstance(eos, (list, tuple, set, frozenset)) else None
+    if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    return int(ids[0]) if one else frozenset(int(t) for t in ids)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise TypeError(f"stop must be a string, a list of non-empty strings or None, got {stop!r}")
+    return tuple(stops)
 
 
 @dataclass(eq=False)
 class Request:
-    """One prompt and the tokens generated for it so far.
+    """One prompt, how to continue it (`params`), and the tokens generated for it so far.
 
     `num_computed` counts the tokens whose keys/values are already in the KV cache; the next step
     processes tokens from there on. A prompt of 10 tokens with a 4-token chunk budget takes three
@@ -60,9 +114,7 @@ class Request:
 
     rid: int
     prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | frozenset[int] | None = None  # one id, or several
+    params: SamplingParams = field(default_factory=SamplingParams)
     state: RequestState = RequestState.WAITING
     num_computed: int = 0  # tokens whose KV is written (or being written by a batch in flight)
     num_sampled: int = 0  # tokens sampled or being sampled by a batch in flight
@@ -71,6 +123,19 @@ class Request:
     finish_reason: str | None = None  # "eos", "length"; online also "stop" or "cancelled"
     arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
     scheduled_at: float | None = None  # time.perf_counter() when the scheduler first admitted it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"a Request's params must be a SamplingParams, e.g. Request(0, prompt, "
+                            f"SamplingParams(max_new_tokens=8)), got {self.params!r}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
+
+    @property
+    def eos_token_id(self) -> int | frozenset[int] | None:
+        return self.params.eos_token_id
 
     @property
     def tokens(self) -> list[int]:

@@ -40,7 +40,7 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
     have always had, and two seeds equal modulo 2**32 never share a stream (request i of a run samples
     with seed + i, which crosses 2**32 for a seed just below it).
     """
-    low = _mix32(seed & _M32) ^ _mix32(((seed >> 32) * 0x61C88647) & _M32)  # (seeds are >= 0, checks.py)
+    low = _mix32(seed & _M32) ^ _mix32(((seed >> 32) * 0x61C88647) & _M32)  # (seeds are >= 0: SamplingParams)
     key = _mix32(low ^ ((counter * 0x2545F491) & _M32))  # [R]
     v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
     h = _mix32(key[:, None] ^ ((v[None, :] * 0x27D4EB2D) & _M32))  # [R, V]

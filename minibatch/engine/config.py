@@ -1,12 +1,13 @@
-"""One run's configuration: every limit and size, its default computed once and checked once (notebook 00).
+"""One run's configuration: EngineConfig, every option of a run checked once, and the RunConfig sized from it (notebook 00).
 
 A run (an offline `generate` call, or an engine's serving context) is fixed by a few limits: the
 loop (`mode`), the step's token budget (`max_batch_tokens`), how many requests run at once
 (`max_batch_size`), the KV cache (`block_size`, `num_blocks`), the IO slots (`num_slots`), CUDA
-graphs and torch.compile. `make_config` takes them as the user gave them (None: the default), checks
-each, fills in the defaults, sizes the cache and the slots (memory.py) and refuses a run that cannot
-fit in free memory, all before anything is allocated. The engine, the loops and the serving thread
-only read the `RunConfig` it returns.
+graphs and torch.compile. `EngineConfig` lists them, with their defaults (None: computed for the
+run), and checks each as it is made; `make_config` checks them against the model, fills in the
+defaults, sizes the cache and the slots (memory.py) and refuses a run that cannot fit in free
+memory, all before anything is allocated. The engine, the loops and the serving thread only read
+the `RunConfig` it returns.
 
 Offline, the cache is sized for the prompts of the call; a serving context does not know its
 requests in advance, so it is sized for `max_batch_size` requests of the model's whole context.
@@ -14,16 +15,19 @@ requests in advance, so it is sized for `max_batch_size` requests of the model's
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..args import _bool, _int, _number
+from ..batching.requests import FIELDS as SAMPLING_FIELDS
 from .memory import check_memory, run_sizes
 
 MODES = ("sync", "async")
 DEFAULT_BLOCK_SIZE = 16  # generate's default, which a model with a shorter context shrinks
+SERVING_BATCH_SIZE = 8  # a serving run's max_batch_size unless given: it is sized for the whole context
 STAGES = ("H2D", "compute", "D2H")
 
 
@@ -54,11 +58,75 @@ class RunConfig:
     inject_delays: dict = field(default_factory=dict)  # {"H2D" | "compute" | "D2H": seconds before each step}
 
 
-def serving_config(model, mode: str = "async", *, max_batch_size: Any = 8, max_batch_tokens: Any = 256,
-                   block_size: Any = 16, num_blocks: Any = None, reusable_bytes: int = 0, **limits) -> RunConfig:
-    """A serving run's RunConfig: sized once, for `max_batch_size` requests of the model's whole context
-    (or `num_blocks` KV blocks), and checked as make_config checks any run. `Engine.serving` opens its run
-    with it; a server calls it before it listens, so bad limits are refused before any client connects.
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs: the one list of per-run options, checked once, here (every value that does
+    not need the model; `make_config` checks the rest against it and sizes the run).
+
+    `mode` picks the loop. `max_batch_tokens` is a step's token budget (prefill chunks are cut to
+    fit it); `max_batch_size` caps the requests running at once (None: min(32, max_batch_tokens)
+    offline, 8 serving); `block_size` and `num_blocks` size the paged KV cache (None: enough for the
+    run's requests). `num_slots` IO slots (None: 1 sync, 2 async); `cuda_graphs` (None: on for a
+    CUDA model; "decode": decode steps only) and `compile` (True, or "dynamic": one compile for
+    every row count) are CUDA's. `inject_delays` ({"H2D" | "compute" | "D2H": seconds slept on that
+    stream before each step}) and `allow_races` (one slot in the async loop) show notebook 04's race.
+    `timeout` bounds every host wait on the device (seconds; None or inf: no limit).
+    """
+
+    mode: str = "sync"
+    max_batch_tokens: int = 256
+    max_batch_size: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    num_slots: int | None = None
+    cuda_graphs: bool | str | None = None
+    compile: bool | str = False
+    inject_delays: Mapping | None = None
+    timeout: float | None = 600.0
+    allow_races: bool = False
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # frozen: the checked (normalised) values replace what was given
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {MODES}")
+        put(self, "max_batch_tokens", _int("max_batch_tokens", self.max_batch_tokens))
+        if self.max_batch_size is not None:
+            put(self, "max_batch_size", _int("max_batch_size", self.max_batch_size))
+            if self.max_batch_tokens < self.max_batch_size:
+                raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_batch_size "
+                                 f"({self.max_batch_size}): every running request needs room for its decode token")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral):
+            _int("block_size", self.block_size)  # raises, naming it (its upper bound is the model's: _block_size)
+        if self.num_blocks is not None:
+            put(self, "num_blocks", _int("num_blocks", self.num_blocks))
+        if self.num_slots is not None:
+            put(self, "num_slots", _int("num_slots", self.num_slots, 1, 2))
+        _bool("allow_races", self.allow_races)
+        if self.mode == "async" and self.num_slots == 1 and not self.allow_races:
+            raise ValueError("num_slots=1 in the async loop races: the host writes step N+1's inputs into the only "
+                             "IO slot while the device may still read step N's, and tokens come out wrong without "
+                             "an error (notebook 04). Use num_slots=2 (the default), or pass allow_races=True to "
+                             "show the race on purpose")
+        if self.cuda_graphs is not None and self.cuda_graphs != "decode" and not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {self.cuda_graphs!r}')
+        if self.compile != "dynamic" and not isinstance(self.compile, bool):
+            raise TypeError(f'compile must be True, False or "dynamic", got {self.compile!r}')
+        put(self, "timeout", _timeout(self.timeout))
+        put(self, "inject_delays", _delays(self.inject_delays))
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with some options changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def serving_config(model, config: EngineConfig, reusable_bytes: int = 0) -> RunConfig:
+    """A serving run's RunConfig: sized once, for `max_batch_size` requests (default 8) of the model's
+    whole context (or `num_blocks` KV blocks), and checked as make_config checks any run.
+    `Engine.serving` opens its run with it; a server calls it before it listens, so bad limits are
+    refused before any client connects.
 
     CUDA graphs default to decode steps only here (`cuda_graphs="decode"`), where an offline run
     graphs every step: a serving run's prefill and mixed steps take their shapes from when requests
@@ -69,55 +137,56 @@ def serving_config(model, mode: str = "async", *, max_batch_size: Any = 8, max_b
     `compile=True` means "dynamic" here: one compile of the decode step for every row count
     (runner/compiled.py), where a static compile per row count would stall every request each time
     the traffic brings a batch size it has not seen."""
-    if limits.get("cuda_graphs") is None and model.device.type == "cuda":
-        limits["cuda_graphs"] = "decode"
-    if limits.get("compile") is True and model.device.type == "cuda":  # (elsewhere refused below, as asked)
-        limits["compile"] = "dynamic"
-    max_batch_size, block_size = _int("max_batch_size", max_batch_size), _int("block_size", block_size)
+    changes = {}
+    if config.max_batch_size is None:
+        changes["max_batch_size"] = SERVING_BATCH_SIZE
+    if config.cuda_graphs is None and model.device.type == "cuda":
+        changes["cuda_graphs"] = "decode"
+    if config.compile is True and model.device.type == "cuda":  # (elsewhere refused by make_config, as asked)
+        changes["compile"] = "dynamic"
+    config = config.replace(**changes) if changes else config
     context = model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
-    if num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
-        context = min(context, _int("num_blocks", num_blocks) * block_size)
-    return make_config(model, mode, [context] * max_batch_size, 1, max_batch_size=max_batch_size,
-                       max_batch_tokens=max_batch_tokens, block_size=block_size, num_blocks=num_blocks,
-                       reusable_bytes=reusable_bytes, **limits)
+    if config.num_blocks is not None:  # a given cache: requests longer than it holds are refused at submit
+        context = min(context, config.num_blocks * config.block_size)
+    return make_config(model, config, [context] * config.max_batch_size, 1, reusable_bytes)
 
 
-def make_config(model, mode: str, lengths: list[int], max_new_tokens: int, *, max_batch_size: Any = None,
-                max_batch_tokens: Any = 256, block_size: Any = 16, num_blocks: Any = None, num_slots: Any = None,
-                cuda_graphs: Any = None, compile: Any = False, inject_delays: Any = None, timeout: Any = 600.0,
-                allow_races: Any = False, reusable_bytes: int = 0) -> RunConfig:
-    """Check a run's limits, fill in the defaults, size the run for requests of `lengths` prompt tokens
-    and `max_new_tokens` new ones, and check that it fits in free memory (ValueError/TypeError naming
-    the first bad argument)."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+def make_config(model, config: EngineConfig, lengths: list[int], max_new_tokens: int,
+                reusable_bytes: int = 0) -> RunConfig:
+    """Check `config` against the model (compile and CUDA graphs need a CUDA model, a KV block holds at
+    most its context), fill in the defaults, size the run for requests of `lengths` prompt tokens and
+    `max_new_tokens` new ones, and check that it fits in free memory (ValueError/TypeError naming
+    the first bad option). `reusable_bytes`: memory an engine's kept resources would give back."""
     cuda = model.device.type == "cuda"
-    max_batch_tokens = _int("max_batch_tokens", max_batch_tokens)
-    block_size = _block_size(model, block_size)
-    max_batch_size = min(32, max_batch_tokens) if max_batch_size is None else _int("max_batch_size", max_batch_size)
-    if max_batch_tokens < max_batch_size:
-        raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_batch_size ({max_batch_size}): "
-                         "every running request needs room for its decode token")
-    compile = _compile(compile)
+    block_size = _block_size(model, config.block_size)
+    max_batch_size = config.max_batch_size or min(32, config.max_batch_tokens)
+    compile = config.compile
     if compile and not cuda:
         raise ValueError(f"compile={compile!r} is for CUDA models; this model is on {model.device} (the CPU path stays "
                          "eager: compiling would take longer than the tiny model's whole run)")
-    cuda_graphs = _cuda_graphs(cuda_graphs, cuda, model.device)
-    num_slots = (2 if mode == "async" else 1) if num_slots is None else _int("num_slots", num_slots, 1, 2)
-    _bool("allow_races", allow_races)
-    if mode == "async" and num_slots == 1 and not allow_races:
-        raise ValueError("num_slots=1 in the async loop races: the host writes step N+1's inputs into the only "
-                         "IO slot while the device may still read step N's, and tokens come out wrong without "
-                         "an error (notebook 04). Use num_slots=2 (the default), or pass allow_races=True to "
-                         "show the race on purpose")
-    timeout, delays = _timeout(timeout), _delays(inject_delays)
-    num_blocks = None if num_blocks is None else _int("num_blocks", num_blocks)
-    sizes = run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks,
-                      min_rows=2 if compile == "dynamic" else 1)
-    check_memory(model, *sizes, block_size, num_slots, given_blocks=num_blocks is not None, reusable=reusable_bytes)
+    cuda_graphs = cuda if config.cuda_graphs is None else config.cuda_graphs
+    if cuda_graphs and not cuda:
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
+    num_slots = config.num_slots or (2 if config.mode == "async" else 1)
+    sizes = run_sizes(model, lengths, max_new_tokens, max_batch_size, config.max_batch_tokens, block_size,
+                      config.num_blocks, min_rows=2 if compile == "dynamic" else 1)
+    check_memory(model, *sizes, block_size, num_slots, given_blocks=config.num_blocks is not None,
+                 reusable=reusable_bytes)
     shape = Shape(sizes[0], block_size, *sizes[1:], num_slots, cuda_graphs, compile,
                   decode=(model.decode_attention, model.decode_kv_bucket))
-    return RunConfig(mode, max_batch_tokens, max_batch_size, shape, timeout, delays)
+    return RunConfig(config.mode, config.max_batch_tokens, max_batch_size, shape, config.timeout,
+                     config.inject_delays)
+
+
+def split_options(options: Mapping[str, Any], where: str) -> tuple[dict, dict]:
+    """Keyword options -> (SamplingParams fields, EngineConfig fields); a name that is neither is
+    refused as Python refuses an unexpected keyword argument, naming both lists."""
+    unknown = sorted(set(options) - SAMPLING_FIELDS - FIELDS)
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: per-request options are "
+                        f"{sorted(SAMPLING_FIELDS)} (SamplingParams), per-run options {sorted(FIELDS)} (EngineConfig)")
+    return ({k: v for k, v in options.items() if k in SAMPLING_FIELDS},
+            {k: v for k, v in options.items() if k in FIELDS})
 
 
 def _block_size(model, block_size: Any) -> int:
@@ -133,22 +202,6 @@ def _block_size(model, block_size: Any) -> int:
             raise ValueError(f"{exc}: the model's context (max_position_embeddings={context}) is the limit, as a "
                              "KV block serves one request") from None
         raise
-
-
-def _compile(compile: Any) -> bool | str:
-    if compile != "dynamic" and not isinstance(compile, bool):
-        raise TypeError(f'compile must be True, False or "dynamic", got {compile!r}')
-    return compile
-
-
-def _cuda_graphs(cuda_graphs: Any, cuda: bool, device) -> bool | str:
-    if cuda_graphs is None:
-        return cuda
-    if cuda_graphs != "decode" and not isinstance(cuda_graphs, bool):
-        raise TypeError(f'cuda_graphs must be True, False, "decode" or None, got {cuda_graphs!r}')
-    if cuda_graphs and not cuda:
-        raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {device}")
-    return cuda_graphs
 
 
 def _timeout(timeout: Any) -> float | None:

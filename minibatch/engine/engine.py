@@ -11,7 +11,7 @@ loops it steps are notebooks 01 and 06, serving is notebook 08).
 `engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
 wrapper that builds an engine for one call. `engine.serving(...)` opens a run sized once for
 requests that arrive while it lasts: its loop turns in a background thread, `engine.submit(...)`
-hands it a request from any thread and returns a Stream of its tokens (serving.py, stream.py);
+hands it a request from any thread and returns a TokenStream of its tokens (serving.py, stream.py);
 `generate` called meanwhile submits into it. Keep an engine to keep its resources: CUDA graphs are
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batching.kv_cache import PagedKVCache
-from ..batching.requests import Request, SamplingParams
+from ..batching.requests import FIELDS as SAMPLING_FIELDS, Request, SamplingParams
 from ..batching.scheduler import Scheduler
 from ..batching.slots import IOSlot, SlotBuffers
 from ..devices import get_device
@@ -49,10 +49,10 @@ from ..runner.graphs import StepRunner
 from ..compat import tensor_version
 from ..timeline import Timeline
 from .async_loop import async_step
-from .checks import check_generate, check_request
-from .config import RunConfig, Shape, make_config, serving_config
+from .checks import check_prompts, check_run
+from .config import FIELDS as ENGINE_FIELDS, EngineConfig, RunConfig, Shape, make_config, serving_config, split_options
 from .serving import Loop
-from .stream import Stream
+from .stream import TokenStream
 from .sync_loop import sync_step
 
 SERVING_TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
@@ -122,17 +122,18 @@ class Engine:
         self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
 
     # --- a run, step by step ------------------------------------------------------------------------
-    def start(self, requests: list[Request], mode: str = "sync", *, timeline: Timeline | None = None,
-              on_step: Callable | None = None, **limits) -> Run:
+    def start(self, requests: list[Request], mode: str | None = None, config: EngineConfig | None = None, *,
+              timeline: Timeline | None = None, on_step: Callable | None = None, **options) -> Run:
         """Set up a run of `requests` (minibatch.batching.requests.Request objects, e.g.
-        `Request(0, token_ids, max_new_tokens)`); `step()` then advances it. `limits` are generate's
-        (max_batch_tokens, max_batch_size, block_size, num_blocks, num_slots, cuda_graphs, compile,
-        inject_delays, timeout), checked here."""
+        `Request(0, token_ids, SamplingParams(max_new_tokens=8))`); `step()` then advances it.
+        `config` (an EngineConfig) and `options` (its fields by name) say how; `mode` ("sync", the
+        default, or "async") is one of them, first for short."""
         if not requests or not all(isinstance(r, Request) for r in requests):
             raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
-        config = make_config(self.model, mode, [len(r.prompt) for r in requests],
-                             max(r.max_new_tokens for r in requests), **limits)
-        return self._open(config, requests, timeline, on_step)
+        config = _engine_config(config, options if mode is None else {**options, "mode": mode}, "start()")
+        run_config = make_config(self.model, config, [len(r.prompt) for r in requests],
+                                 max(r.max_new_tokens for r in requests))
+        return self._open(run_config, requests, timeline, on_step)
 
     def _open(self, config: RunConfig, requests: list[Request], timeline: Timeline | None,
               on_step: Callable | None) -> Run:
@@ -166,52 +167,37 @@ class Engine:
         self.run = None
         return run.requests
 
-    def generate(self, prompts, max_new_tokens: int = 64, mode: str = "sync", temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 eos_token_id: int | Sequence[int] | None = None, timeline: Timeline | None = None,
-                 max_batch_size: int | None = None, max_batch_tokens: int = 256, block_size: int = 16,
-                 num_blocks: int | None = None, progress: bool = False,
-                 arrival_steps: Sequence[int] | None = None, on_step: Callable | None = None,
-                 cuda_graphs: bool | str | None = None, compile: bool | str = False, num_slots: int | None = None,
-                 allow_races: bool = False, inject_delays: dict[str, float] | None = None,
-                 timeout: float | None = 600.0) -> list[list[int]]:
+    def generate(self, prompts, params: SamplingParams | None = None, config: EngineConfig | None = None, *,
+                 timeline: Timeline | None = None, progress: bool = False, arrival_steps: Sequence[int] | None = None,
+                 on_step: Callable | None = None, **options) -> list[list[int]]:
         """Continue every prompt; return the new tokens of each, in prompt order.
 
-        Greedy when temperature == 0. Request i samples with seed `seed + i`, so results do not depend
-        on batching. Generation of a request stops at `eos_token_id` (included in its output) or after
-        `max_new_tokens`. `max_batch_tokens` is the token budget of one step (prefill chunks are cut to
-        fit it); `max_batch_size` caps the requests running at once (default min(32, max_batch_tokens));
-        `num_blocks` sizes the paged KV cache (default: enough for `max_batch_size` of the longest
-        requests). Every argument is checked before any work (checks.py, config.py), including that the
-        KV cache and IO slots fit in free memory. `top_k` larger than the vocabulary keeps every token, as 0 does.
-        `timeout` bounds every host wait on the device (seconds; None or inf: no limit): a device that
-        stops making progress raises instead of hanging. `arrival_steps[i]` (optional) is the step at
-        which prompt i reaches the scheduler, to simulate requests arriving while the loop runs.
-        `cuda_graphs` (default: on for a CUDA model) replays steps as CUDA graphs (runner/graphs.py); "decode" keeps
-        prefill and mixed steps eager and unpadded, as they were before they could be graphs.
-        `compile=True` (CUDA only) runs decode steps through torch.compile first, one compile per decode
-        shape; `compile="dynamic"` one for every row count (runner/compiled.py).
-        `num_slots` (default 1 for sync, 2 for async) and `inject_delays` ({"H2D" | "compute" | "D2H":
-        seconds slept on that stream before each step's work) exist to show the race of notebook 04: one
-        slot in the async loop gives wrong tokens, so it needs `allow_races=True` as well.
-        `on_step(plan, finished)` is called on the host after each step's tokens are applied (live plots).
-        While the engine is serving, the prompts are submitted to it (its mode and limits apply).
+        How each prompt is continued is a SamplingParams (`params`), how the run goes an EngineConfig
+        (`config`); `options` change their fields by name, so `generate(prompts, max_new_tokens=32,
+        temperature=0.7, mode="async")` needs neither. Their docstrings list every option and its
+        default (greedy, 64 new tokens, the sync loop). Request i samples with seed `seed + i`, so
+        results do not depend on batching. Everything is checked before any work, including that the
+        KV cache and IO slots fit in free memory.
+
+        `arrival_steps[i]` (optional) is the step at which prompt i reaches the scheduler, to
+        simulate requests arriving while the loop runs. `on_step(plan, finished)` is called on the
+        host after each step's tokens are applied (live plots); `progress` shows a bar over finished
+        requests. While the engine is serving, the prompts are submitted to it (its mode and limits
+        apply).
         """
+        params, config = _options(params, config, options, "generate()")
         if self.loop is not None:
-            return self._generate_online(prompts, mode, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id)
-        a = check_generate(self.model, prompts, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                           top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, timeline=timeline,
-                           max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, block_size=block_size,
-                           num_blocks=num_blocks, progress=progress, arrival_steps=arrival_steps, on_step=on_step,
-                           cuda_graphs=cuda_graphs, compile=compile, num_slots=num_slots, allow_races=allow_races,
-                           inject_delays=inject_delays, timeout=timeout,
-                           reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()))
-        requests = [Request(i, p, a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + i),
-                            a.eos_token_id, arrival_step=step) for i, (p, step) in enumerate(zip(a.prompts, a.arrival_steps))]
-        with self._exclusive(), _progress(progress, len(requests), mode) as bar:
+            return self._generate_online(prompts, params, config)
+        token_ids, params = check_prompts(self.model, prompts, params)
+        arrival_steps = check_run(len(token_ids), arrival_steps=arrival_steps, timeline=timeline, on_step=on_step,
+                                  progress=progress)
+        run_config = make_config(self.model, config, [len(p) for p in token_ids], params.max_new_tokens,
+                                 sum(r.cache.nbytes for r in self.kept.values()))
+        requests = [Request(i, p, params.replace(seed=params.seed + i), arrival_step=step)
+                    for i, (p, step) in enumerate(zip(token_ids, arrival_steps))]
+        with self._exclusive(), _progress(progress, len(requests), config.mode) as bar:
             try:
-                run = self._open(a.config, requests, timeline, on_step)
+                run = self._open(run_config, requests, timeline, on_step)
                 loop = Loop(self, run)  # the turns a serving thread runs, here in the caller's thread
                 try:
                     while run.scheduler.has_work():
@@ -226,35 +212,34 @@ class Engine:
                 raise
         return [r.output for r in requests]
 
-    def _generate_online(self, prompts, mode, **kw) -> list[list[int]]:
-        if mode != self.loop.run.mode:
-            raise ValueError(f"this engine is serving in {self.loop.run.mode!r} mode; generate(mode={mode!r}) "
+    def _generate_online(self, prompts, params: SamplingParams, config: EngineConfig) -> list[list[int]]:
+        if config.mode != self.loop.run.mode:
+            raise ValueError(f"this engine is serving in {self.loop.run.mode!r} mode; generate(mode={config.mode!r}) "
                              "cannot run beside it (leave serving() first, or use its mode)")
-        from .checks import token_lists
-
-        seed = kw.pop("seed")
-        streams = [self.submit(p, seed=seed + i, **kw) for i, p in enumerate(token_lists(prompts, self.model))]
+        token_ids, params = check_prompts(self.model, prompts, params)
+        streams = [self.submit(p, params.replace(seed=params.seed + i)) for i, p in enumerate(token_ids)]
         return [s.wait().token_ids for s in streams]
 
     # --- serving: requests that arrive while the loop runs -------------------------------------------
     @contextmanager
-    def serving(self, mode: str = "async", *, max_batch_size: int = 8, max_batch_tokens: int = 256,
-                block_size: int = 16, num_blocks: int | None = None, max_queue: int | None = None,
-                timeline: Timeline | None = None, **limits):
+    def serving(self, mode: str | None = None, config: EngineConfig | None = None, *, max_queue: int | None = None,
+                timeline: Timeline | None = None, **options):
         """Serve requests submitted while the `with` block lasts, from a loop in a background thread.
 
-        The run is sized once, for `max_batch_size` requests of the model's whole context (or
-        `num_blocks` KV blocks), and checked against free memory; its KV cache, IO slots and CUDA graphs
-        serve every request. `max_queue` bounds the requests waiting for a seat (submit raises
-        QueueFull beyond it). Leaving the block ends every open stream ("cancelled") and joins the thread.
-        Other `limits` are generate's (cuda_graphs, compile, num_slots, inject_delays, timeout), except
-        that CUDA graphs default to decode steps only (config.serving_config says why).
+        The run is sized once, for `max_batch_size` requests (default 8) of the model's whole context
+        (or `num_blocks` KV blocks), and checked against free memory; its KV cache, IO slots and CUDA
+        graphs serve every request. `config` and `options` are generate's run options (EngineConfig),
+        except that CUDA graphs default to decode steps only (config.serving_config says why).
+        `mode` is "async" unless `config` or `mode` says otherwise. `max_queue` bounds the requests
+        waiting for a seat (submit raises QueueFull beyond it). Leaving the block ends every open
+        stream ("cancelled") and joins the thread.
         """
-        config = serving_config(self.model, mode, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                block_size=block_size, num_blocks=num_blocks,
-                                reusable_bytes=sum(r.cache.nbytes for r in self.kept.values()), **limits)
+        mode = mode or (config.mode if config is not None else "async")
+        config = _engine_config(config, {**options, "mode": mode}, "serving()")
+        run_config = serving_config(self.model, config, sum(r.cache.nbytes for r in self.kept.values()))
         with self._exclusive():
-            run = self._open(config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT), None)
+            run = self._open(run_config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT),
+                             None)
             self.loop = Loop(self, run, max_queue)
             self.loop.start_thread()
             try:
@@ -268,27 +253,25 @@ class Engine:
                 else:
                     self._abandon()
 
-    def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, eos_token_id: int | Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None) -> Stream:
-        """Hand one request to the serving loop, from any thread; returns its Stream at once.
+    def submit(self, prompt, params: SamplingParams | None = None, **options) -> TokenStream:
+        """Hand one request to the serving loop, from any thread; returns its TokenStream at once.
 
-        The arguments mean what they mean in `generate` (a request submitted with seed S gives the
-        tokens `generate([prompt], seed=S)` gives); `stop` strings end it when its text contains one
-        (the text ends before it). A request that could never fit in the KV cache is refused here.
+        `params` (a SamplingParams) and `options` (its fields by name) mean what they mean in
+        `generate`: a request submitted with seed S gives the tokens `generate([prompt], seed=S)`
+        gives; `stop` strings end it when its text contains one (the text ends before it). A request
+        that could never fit in the KV cache is refused here.
         """
         loop = self.loop
         if loop is None:
             raise RuntimeError("submit needs a serving engine: `with engine.serving(): engine.submit(...)`")
-        a = check_request(self.model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop)
-        request = Request(next(loop.rids), a.prompt, a.max_new_tokens,
-                          SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), a.eos_token_id)
+        params = _sampling_params(params, options, "submit()")
+        (ids,), params = check_prompts(self.model, [prompt], params)
+        request = Request(next(loop.rids), ids, params)
         allocator = loop.run.scheduler.allocator
         if allocator.blocks_for(request.max_len) > allocator.num_blocks:
             raise ValueError(f"this request needs {request.max_len} tokens of KV cache but the serving cache holds "
                              f"{allocator.num_blocks * allocator.block_size}: it could never run (raise num_blocks)")
-        return loop.submit(request, Stream(request.rid, len(a.prompt)), self.model.tokenizer, a.stop)
+        return loop.submit(request, TokenStream(request.rid, len(ids)), self.model.tokenizer)
 
     def stats(self) -> dict:
         """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
@@ -432,11 +415,37 @@ def _progress(on: bool, total: int, mode: str):
         bar.close()
 
 
-def generate(model: Model | Engine, prompts, **options) -> list[list[int]]:
-    """Continue every prompt with `model` (from load_model) or an Engine; see `Engine.generate` for the
-    options (max_new_tokens, mode="sync" | "async", temperature, top_k, top_p, seed, eos_token_id,
-    timeline, ...). Given a model, an engine is built for this call and closed after it."""
+def _options(params, config, options: dict, where: str) -> tuple[SamplingParams, EngineConfig]:
+    sampling, engine = split_options(options, where)
+    return _sampling_params(params, sampling, where), _engine_config(config, engine, where)
+
+
+def _sampling_params(params, options: dict, where: str) -> SamplingParams:
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a minibatch SamplingParams or None, got {params!r}")
+    unknown = sorted(set(options) - SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
+                        f"{sorted(SAMPLING_FIELDS)} (SamplingParams)")
+    return (params or SamplingParams()).replace(**options)
+
+
+def _engine_config(config, options: dict, where: str) -> EngineConfig:
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be a minibatch EngineConfig or None, got {config!r}")
+    unknown = sorted(set(options) - ENGINE_FIELDS)
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
+                        f"{sorted(ENGINE_FIELDS)} (EngineConfig)")
+    return (config or EngineConfig()).replace(**options)
+
+
+def generate(model: Model | Engine, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:
+    """Continue every prompt with `model` (from load_model) or an Engine; see `Engine.generate` (options:
+    SamplingParams' and EngineConfig's fields, e.g. max_new_tokens, temperature, mode="sync" | "async",
+    and timeline, on_step, progress, arrival_steps). Given a model, an engine is built for this call
+    and closed after it."""
     if isinstance(model, Engine):
-        return model.generate(prompts, **options)
+        return model.generate(prompts, params, **options)
     with Engine(model) as engine:
-        return engine.generate(prompts, **options)
+        return engine.generate(prompts, params, **options)

@@ -4,7 +4,7 @@ Every caller goes through one loop. A turn of it:
 
     take what arrived ─▶ scheduler.add, and honour cancels     (under the lock, at a step boundary)
     one step           ─▶ sync_step or async_step               (schedule → launch → wait → update)
-    deliver            ─▶ each request's new tokens to its Stream; stop strings end requests here
+    deliver            ─▶ each request's new tokens to its TokenStream; stop strings end requests here
 
 `Engine.serving()` runs turns in a background thread for as long as its `with` block lasts, so that
 `Engine.submit` can hand it requests from any thread at any moment; with nothing to do the thread
@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from ..batching.requests import Request, RequestState
-from .stream import Chunk, Detokenizer, Stream, Wakeups
+from .stream import Chunk, Detokenizer, TokenStream, Wakeups
 
 
 class QueueFull(RuntimeError):
@@ -38,9 +38,9 @@ class Loop:
     def __init__(self, engine, run, max_queue: int | None = None) -> None:
         self.engine, self.run, self.max_queue = engine, run, max_queue
         self.cond = threading.Condition(threading.Lock())
-        self.inbox: deque[tuple[Request, Stream]] = deque()
-        self.cancels: list[Stream] = []
-        self.streams: dict[Request, Stream] = {}  # online requests still running, and their streams
+        self.inbox: deque[tuple[Request, TokenStream]] = deque()
+        self.cancels: list[TokenStream] = []
+        self.streams: dict[Request, TokenStream] = {}  # online requests still running, and their streams
         self.closing = False
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -50,9 +50,9 @@ class Loop:
         run.listener = self.deliver
 
     # --- callers (any thread) ---------------------------------------------------------------------
-    def submit(self, request: Request, stream: Stream, tokenizer, stop: tuple[str, ...]) -> Stream:
+    def submit(self, request: Request, stream: TokenStream, tokenizer) -> TokenStream:
         stream._request, stream._cancel = request, self.cancel
-        stream._detok = Detokenizer(tokenizer, stop)
+        stream._detok = Detokenizer(tokenizer, request.params.stop)
         with self.cond:
             self._check_open()
             if self.max_queue is not None and len(self.inbox) + len(self.run.scheduler.waiting) >= self.max_queue:
@@ -61,7 +61,7 @@ class Loop:
             self.cond.notify()
         return stream
 
-    def cancel(self, stream: Stream) -> None:
+    def cancel(self, stream: TokenStream) -> None:
         with self.cond:
             self.cancels.append(stream)
             self.cond.notify()
@@ -129,7 +129,7 @@ class Loop:
                 text += detok.flush()
                 self._end(r, stream, Chunk(new, text, "stop" if detok.stopped else r.finish_reason), now, wakeups)
 
-    def _end(self, request: Request, stream: Stream, chunk: Chunk, now: float | None = None,
+    def _end(self, request: Request, stream: TokenStream, chunk: Chunk, now: float | None = None,
              wakeups: Wakeups | None = None) -> None:
         self.streams.pop(request, None)
         stream.put(chunk, time.perf_counter() if now is None else now, wakeups)

@@ -1,4 +1,4 @@
-"""A request's tokens as they are made: `Stream`, read from any thread or from asyncio (notebook 08).
+"""A request's tokens as they are made: `TokenStream`, read from any thread or from asyncio (notebook 08).
 
     engine loop thread                         caller (any thread, or an asyncio task)
     ── step N: update ──▶ stream.put(chunk) ──▶ for chunk in stream:        (blocks on a condition)
@@ -124,7 +124,7 @@ def _set_all(events: list[asyncio.Event]) -> None:
 
 
 @dataclass(eq=False)
-class Stream:
+class TokenStream:
     """One submitted request's output: iterate it (blocking or `async for`), or `wait()` for the end."""
 
     rid: int
@@ -180,7 +180,7 @@ class Stream:
         if not self.done and self._cancel is not None:
             self._cancel(self)
 
-    def wait(self, timeout: float | None = None) -> "Stream":
+    def wait(self, timeout: float | None = None) -> "TokenStream":
         """Block until the request has finished (TimeoutError after `timeout` seconds)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.done, timeout):
@@ -239,4 +239,4 @@ class Stream:
 
     def __repr__(self) -> str:
         state = self.finish_reason or "running"
-        return f"<Stream {self.rid}: {len(self.token_ids)} tokens, {state}>"
+        return f"<TokenStream {self.rid}: {len(self.token_ids)} tokens, {state}>"

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..batching.requests import SamplingParams
 from ..engine.serving import QueueFull
 from . import protocol
 from .protocol import BadRequest, Params
@@ -98,8 +99,9 @@ class ServerState:
                              "context_length_exceeded")
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
         try:
-            s = self.engine.submit(ids, max_new_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k,
-                                   top_p=p.top_p, seed=seed, eos_token_id=self.eos, stop=p.stop + extra_stop)
+            params = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed,
+                                    max_new_tokens=max_tokens, eos_token_id=self.eos, stop=tuple(p.stop + extra_stop))
+            s = self.engine.submit(ids, params)
         except ValueError as e:  # the engine names its argument: translate it to the client's name
             param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
             raise BadRequest(str(e), param) from None
@@ -298,9 +300,10 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
     thread shares the interpreter, and so the GIL, with the engine's loop. `gc_freeze`: once warm, keep
     the objects alive then out of Python's full garbage collections (`_freeze_heap`); the timeline
     records each full collection as a "gc" span either way."""
-    from ..engine.config import serving_config
+    from ..engine.config import EngineConfig, serving_config
 
-    serving_config(model, **{k: v for k, v in serving.items() if k != "max_queue"})  # max_queue: the loop's own
+    # max_queue is the serving loop's own, the rest EngineConfig's
+    serving_config(model, EngineConfig(**{k: v for k, v in serving.items() if k != "max_queue"}))
     import uvicorn
 
     for option, value, module in (("loop", loop, "uvloop"), ("http", http, "httptools")):

@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _modes(arg: str) -> list[str]:
-    from ..engine.checks import MODES
+    from ..engine.config import MODES
     modes = [m for m in arg.split(",") if m]
     if not modes:
         raise argparse.ArgumentTypeError("needs at least one of sync, async")

@@ -174,7 +174,7 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
     shared=True captures both into one pool (what the loops do); shared=False gives each graph its
     own pool. The article's claim: with one pool, the second graph costs about nothing.
     """
-    from ..batching.requests import Request
+    from ..batching.requests import Request, SamplingParams
     from ..batching.scheduler import Scheduler
     from ..batching.slots import IOSlot, copy_in
     from ..devices import get_device
@@ -184,7 +184,7 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
     cache = model.make_cache(rows * (context // block + 2), block)
     sched = Scheduler(cache.allocator, rows * (context + 1), rows)
     for i in range(rows):
-        sched.add(Request(i, [1] * context, 4))
+        sched.add(Request(i, [1] * context, SamplingParams(max_new_tokens=4)))
     prefill = sched.schedule()
     runner = StepRunner(model, cache, use_graphs=True)
     with get_device(str(model.device)) as dev:

@@ -16,7 +16,7 @@ import torch
 
 import minibatch
 from minibatch.batching.batch import build_batch
-from minibatch.batching.requests import Request
+from minibatch.batching.requests import Request, SamplingParams
 from minibatch.batching.scheduler import Scheduler
 from minibatch.timeline import Timeline
 
@@ -42,11 +42,15 @@ tok = model.tokenizer
 # ## 2. Requests and their states
 #
 # A request moves WAITING → PREFILLING → DECODING → FINISHED. *Prefill* processes the prompt (many
-# tokens in one go); *decode* makes one new token per step.
+# tokens in one go); *decode* makes one new token per step. How a request is continued (how many
+# new tokens at most, which token ends it, greedy or sampled) is its `SamplingParams`: the one
+# place those options are listed and checked, whether they come from `generate`, `submit` or an
+# HTTP request (notebook 08).
 
 # %%
 texts = ["The for statement", "A class definition is an executable statement", "Names", "The import system"]
-requests = [Request(i, tok.encode(t), max_new_tokens=12, eos_token_id=tok.eos_token_id) for i, t in enumerate(texts)]
+params = SamplingParams(max_new_tokens=12, eos_token_id=tok.eos_token_id)  # greedy: temperature 0
+requests = [Request(i, tok.encode(t), params) for i, t in enumerate(texts)]
 for r in requests:
     print(f"request {r.rid}: {len(r.prompt):2} prompt tokens, state {r.state.value}")
 
@@ -129,7 +133,8 @@ for _ in range(5):
 def sync_loop(model, prompts, max_new_tokens, budget=16, seats=3, timeline=None):
     cache = model.make_cache(num_blocks=48, block_size=8)
     sched = Scheduler(cache.allocator, budget, seats)
-    reqs = [Request(i, p, max_new_tokens, eos_token_id=tok.eos_token_id) for i, p in enumerate(prompts)]
+    params = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id)
+    reqs = [Request(i, p, params) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
     tl = timeline or Timeline()

@@ -55,7 +55,7 @@ def show(plan):
 texts = ["Names", "The for statement", "A class", "See also"]
 cache = model.make_cache(num_blocks=32, block_size=8)
 sched = Scheduler(cache.allocator, max_batch_tokens=12, max_batch_size=4)
-requests = [Request(i, tok.encode(t), max_new_tokens=3 if i == 0 else 8, sampling=SamplingParams(0.7, seed=3 + i),
+requests = [Request(i, tok.encode(t), SamplingParams(0.7, seed=3 + i, max_new_tokens=3 if i == 0 else 8,
                     eos_token_id=EOS) for i, t in enumerate(texts)]
 for r in requests:
     sched.add(r)
@@ -272,7 +272,8 @@ fig.savefig(f"{FIGURES}/05_carry_over_mask.png", dpi=110)
 def one_step_behind(model, prompts, max_new_tokens, carry=True, seed=3, budget=32, seats=4):
     cache = model.make_cache(num_blocks=64, block_size=8)
     sched = Scheduler(cache.allocator, budget, seats)
-    reqs = [Request(i, p, max_new_tokens, SamplingParams(0.7, seed=seed + i), EOS) for i, p in enumerate(prompts)]
+    params = SamplingParams(0.7, max_new_tokens=max_new_tokens, eos_token_id=EOS)
+    reqs = [Request(i, p, params.replace(seed=seed + i)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
     prev, dropped = None, []  # prev: (plan, sampled tokens) of the batch whose tokens the host has not read

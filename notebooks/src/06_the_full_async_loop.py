@@ -70,7 +70,8 @@ EOS = tok.eos_token_id
 def async_loop(model, prompts, max_new_tokens, budget=32, seats=4, seed=3, timeline=None):
     cache = model.make_cache(num_blocks=64, block_size=8)
     sched = Scheduler(cache.allocator, budget, seats)
-    reqs = [Request(i, p, max_new_tokens, SamplingParams(0.7, seed=seed + i), EOS) for i, p in enumerate(prompts)]
+    params = SamplingParams(0.7, max_new_tokens=max_new_tokens, eos_token_id=EOS)
+    reqs = [Request(i, p, params.replace(seed=seed + i)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
     tl = timeline if timeline is not None else Timeline()

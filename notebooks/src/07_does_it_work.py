@@ -583,7 +583,7 @@ exercises.check_07(globals().get("async_over_sync"))
 # NBVAL_IGNORE_OUTPUT
 from minibatch.batching.batch import build_batch
 from minibatch.batching.kv_cache import PagedKVCache
-from minibatch.batching.requests import Request
+from minibatch.batching.requests import Request, SamplingParams
 from minibatch.batching.scheduler import Scheduler
 
 
@@ -592,7 +592,7 @@ def host_ms_per_step(rows: int, context: int = 256, steps: int = 20) -> float:
     cache = PagedKVCache(1, 1, 1, rows * -(-(context + steps + 2) // 16), 16)  # storage is irrelevant here
     sched = Scheduler(cache.allocator, rows * context, rows)
     for i in range(rows):
-        sched.add(Request(i, [1] * context, steps + 2))
+        sched.add(Request(i, [1] * context, SamplingParams(max_new_tokens=steps + 2)))
     sched.update(sched.schedule(), [1] * rows)  # every prompt in one step
     times = []
     for _ in range(steps):

@@ -78,7 +78,7 @@ print("".join(a), "".join(b))
 # %% [markdown]
 # The package does the same with the real loop (`minibatch/engine/serving.py`): a turn takes what
 # arrived and honours cancels, runs one `sync_step` or `async_step` of the earlier chapters, and
-# delivers each request's tokens to its `Stream` (`minibatch/engine/stream.py`). The engine is sized
+# delivers each request's tokens to its `TokenStream` (`minibatch/engine/stream.py`). The engine is sized
 # once for the whole serving context, for `max_batch_size` requests of the model's context: its KV
 # cache, IO slots and (on a GPU) CUDA graphs serve every request that comes.
 #
@@ -209,7 +209,7 @@ fig.savefig(f"{FIGURES}/08_online_gpu.png", dpi=110)
 # Clients reach an engine over HTTP with a client they already have. `python -m minibatch serve`
 # puts this engine behind the same API as vLLM, SGLang and `transformers serve`: `/v1/completions`
 # and `/v1/chat/completions`, whole answers or server-sent events (one `data: {...}` line per token,
-# then `data: [DONE]`), in a FastAPI app whose handlers only `submit` and read the `Stream`
+# then `data: [DONE]`), in a FastAPI app whose handlers only `submit` and read the `TokenStream`
 # (`minibatch/serving/server.py`). Below, the server runs in a process of its own on this machine,
 # and the official `openai` client asks it for a streamed completion. Greedy decoding makes the
 # answer the one offline `generate` gives:

@@ -36,7 +36,7 @@ from minibatch.model.attention import PagedMeta, _decode_attention, _decode_atte
 from minibatch.batching.batch import build_batch  # noqa: E402
 from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
 from minibatch.batching.kv_cache import PagedKVCache  # noqa: E402
-from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
 from minibatch.batching.scheduler import Scheduler  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -54,7 +54,7 @@ def setup(rows: int, context: int, dtype: torch.dtype):
     cache = PagedKVCache(1, KV_HEADS, DIM, rows * (-(-(context + 2) // BLOCK)), BLOCK, device=DEVICE, dtype=dtype)
     sched = Scheduler(cache.allocator, rows * context, rows)
     for i in range(rows):
-        sched.add(Request(i, [1] * (context - 1), 2))
+        sched.add(Request(i, [1] * (context - 1), SamplingParams(max_new_tokens=2)))
     sched.update(sched.schedule(), [1] * rows)  # the prompts (their keys are the random ones below)
     batch = build_batch(sched.schedule(), cache, 64, True, ROW_BUCKETS, 64).to(DEVICE)
     g = torch.Generator(device=DEVICE).manual_seed(rows * 10_000 + context)

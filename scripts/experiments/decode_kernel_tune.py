@@ -28,7 +28,7 @@ from minibatch.model import triton_decode as td  # noqa: E402
 from minibatch.tools.floors import graph_replay_ms, measure_bandwidth  # noqa: E402
 from minibatch.batching.batch import build_batch  # noqa: E402
 from minibatch.batching.kv_cache import PagedKVCache  # noqa: E402
-from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
 from minibatch.batching.scheduler import Scheduler  # noqa: E402
 from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
 
@@ -40,7 +40,7 @@ def setup(rows: int, context: int):
                          dtype=torch.bfloat16)
     sched = Scheduler(cache.allocator, rows * context, rows)
     for i in range(rows):
-        sched.add(Request(i, [1] * (context - 1), 2))
+        sched.add(Request(i, [1] * (context - 1), SamplingParams(max_new_tokens=2)))
     sched.update(sched.schedule(), [1] * rows)
     batch = build_batch(sched.schedule(), cache, 64, True, ROW_BUCKETS, 64).to("cuda")
     for t in cache.keys + cache.values:

@@ -42,7 +42,7 @@ def decode_batch(model, rows: int, context: int):
     cache = model.make_cache(rows * (-(-(context + 8) // BLOCK) + 1) + 8, BLOCK)
     sched = Scheduler(cache.allocator, rows * context, rows)
     for i in range(rows):
-        sched.add(Request(i, [1 + i % 200] * context, 4, SamplingParams(temperature=0.8, seed=i)))
+        sched.add(Request(i, [1 + i % 200] * context, SamplingParams(temperature=0.8, seed=i, max_new_tokens=4)))
     sched.update(sched.schedule(), [2] * rows)  # prompts as if prefilled: the time does not depend on them
     batch = StepRunner(model, cache).build(sched.schedule()).to(model.device)
     assert batch.unfiltered and not batch.all_greedy

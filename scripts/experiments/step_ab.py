@@ -26,7 +26,7 @@ import minibatch  # noqa: E402
 from minibatch.tools import floors  # noqa: E402
 from minibatch.batching.batch import build_batch  # noqa: E402
 from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
-from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
 from minibatch.batching.scheduler import Scheduler  # noqa: E402
 
 OUT = Path(next((a for a in sys.argv[1:] if not a.startswith("--")), "."))
@@ -47,7 +47,7 @@ def decode_setup(model, ctx: int):
     cache = model.make_cache(B * (-(-(ctx + new) // 16) + 1) + 8, 16)  # admission reserves ctx + new per request
     sched = Scheduler(cache.allocator, B * ctx, B)
     for i in range(B):
-        sched.add(Request(i, [1 + i] * ctx, new))
+        sched.add(Request(i, [1 + i] * ctx, SamplingParams(max_new_tokens=new)))
     plan = sched.schedule()  # prefill of all B prompts in one step
     assert len(plan.chunks) == B and all(c.num_tokens == ctx for c in plan.chunks), "prefill did not fit"
     model.next_tokens(build_batch(plan, cache, model.kv_bucket).to("cuda"), cache)

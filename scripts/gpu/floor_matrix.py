@@ -44,7 +44,7 @@ import minibatch  # noqa: E402
 from minibatch.tools import bench
 from minibatch.tools import floors  # noqa: E402
 from minibatch.devices import get_device  # noqa: E402
-from minibatch.batching.requests import Request  # noqa: E402
+from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
 from minibatch.batching.scheduler import Scheduler  # noqa: E402
 from minibatch.batching.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.runner.compiled import CompiledStep  # noqa: E402
@@ -85,7 +85,7 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
         cache.values[layer].normal_()
     sched = Scheduler(cache.allocator, batch * context, batch)
     for i in range(batch):
-        sched.add(Request(i, [1] * context, 4))
+        sched.add(Request(i, [1] * context, SamplingParams(max_new_tokens=4)))
     prefill = sched.schedule()
     assert len(prefill.chunks) == batch and all(c.num_tokens == context for c in prefill.chunks)
     sched.update(prefill, [2] * batch)  # as if prefilled: the cache's cells are allocated and counted
