@@ -126,11 +126,6 @@ class PagedKVCache:
         self.values = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
         self.key_table = DecodeKeys()  # the decode layout's key table, kept from step to step (decode_keys.py)
 
-    def cells(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Physical cells of tokens start..end-1 of a request with this block table."""
-        bs = self.block_size
-        return [block_table[t // bs] * bs + t % bs for t in range(start, end)]
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

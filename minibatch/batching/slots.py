@@ -31,8 +31,6 @@ from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
 from ..devices.base import Device
 
-INT_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "kv_indices", "kv_seq", "kv_pos",
-              "logits_indices", "top_k", "seed", "counter")
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",

@@ -24,8 +24,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("eos", "length", "stop", "cancelled")
-
 
 @dataclass(frozen=True)
 class Chunk:

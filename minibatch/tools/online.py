@@ -82,14 +82,3 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
     if bar is not None:
         bar.close()
     return rows
-
-
-def idle_first_token_ms(engine, prompt, repeats: int = 5) -> float:
-    """Median submit-to-first-token time (ms) of a one-token request on an idle serving engine."""
-    times = []
-    for _ in range(repeats):
-        s = engine.submit(prompt, max_new_tokens=1).wait()
-        times.append(1e3 * s.ttft)
-        time.sleep(0.01)
-    return percentile(times, 50)
-

@@ -56,7 +56,7 @@ texts = ["Names", "The for statement", "A class", "See also"]
 cache = model.make_cache(num_blocks=32, block_size=8)
 sched = Scheduler(cache.allocator, max_batch_tokens=12, max_batch_size=4)
 requests = [Request(i, tok.encode(t), SamplingParams(0.7, seed=3 + i, max_new_tokens=3 if i == 0 else 8,
-                    eos_token_id=EOS) for i, t in enumerate(texts)]
+                    eos_token_id=EOS)) for i, t in enumerate(texts)]
 for r in requests:
     sched.add(r)
 
