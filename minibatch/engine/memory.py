@@ -70,13 +70,14 @@ def available_bytes(device: torch.device) -> tuple[int, int]:
     return torch.cuda.mem_get_info(device)[0] + cached, host
 
 
-def check_memory(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots, given_blocks=True,
-                 reusable: int = 0) -> None:
-    """Refuse a run whose KV cache and IO slots cannot fit in free memory, naming the sizes and arguments.
-
+def check_memory(model, shape, given_blocks: bool = True, reusable: int = 0) -> None:
+    """Refuse a run whose KV cache and IO slots (the sizes of `shape`, a config.Shape) cannot fit in free
+    memory, naming the sizes and arguments. `given_blocks`: num_blocks was the caller's, not computed.
     `reusable`: device bytes an engine holds for kept shapes, which it reuses or frees for this run.
     """
-    b = estimate_bytes(model, num_blocks, max_tokens, max_keys, rows, block_size, num_slots)
+    num_blocks, block_size, max_tokens, max_keys, rows = (shape.num_blocks, shape.block_size, shape.max_tokens,
+                                                          shape.max_keys, shape.rows)
+    b = estimate_bytes(model, num_blocks, max_tokens, max_keys, rows, block_size, shape.num_slots)
     dev_free, host_free = available_bytes(model.device)
     if model.device.type == "cuda":
         # an engine's kept caches are reused or freed: count them as free, so that a run of a shape that
