@@ -149,3 +149,14 @@ def test_every_subpackage_opens_with_its_map():
         modules = {p.name for p in init.parent.glob("*.py")} - {"__init__.py"}
         missing = [m for m in modules if m not in doc]
         assert not missing, f"{init.relative_to(ROOT)}: its docstring map does not name {missing}"
+
+
+def test_each_class_name_is_defined_once():
+    """One meaning per name: a reader who meets `TokenStream` or a device `Stream` knows which it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"class names defined more than once: {twice}"
