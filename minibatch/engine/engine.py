@@ -28,6 +28,7 @@ engine is serving, where every call becomes a submit.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batching.kv_cache import PagedKVCache
-from ..batching.requests import FIELDS as SAMPLING_FIELDS, Request, SamplingParams
+from ..batching.requests import Request, SamplingParams
 from ..batching.scheduler import Scheduler
 from ..batching.slots import IOSlot, SlotBuffers
 from ..devices import get_device
@@ -50,7 +51,7 @@ from ..compat import tensor_version
 from ..timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
-from .config import FIELDS as ENGINE_FIELDS, EngineConfig, RunConfig, Shape, make_config, serving_config, split_options
+from .config import EngineConfig, RunConfig, Shape, make_config, serving_config, split_options
 from .serving import Loop
 from .stream import TokenStream
 from .sync_loop import sync_step
@@ -130,7 +131,7 @@ class Engine:
         default, or "async") is one of them, first for short."""
         if not requests or not all(isinstance(r, Request) for r in requests):
             raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
-        config = _engine_config(config, options if mode is None else {**options, "mode": mode}, "start()")
+        config = _made(EngineConfig, config, options if mode is None else {**options, "mode": mode}, "start()")
         run_config = make_config(self.model, config, [len(r.prompt) for r in requests],
                                  max(r.max_new_tokens for r in requests))
         return self._open(run_config, requests, timeline, on_step)
@@ -235,7 +236,7 @@ class Engine:
         stream ("cancelled") and joins the thread.
         """
         mode = mode or (config.mode if config is not None else "async")
-        config = _engine_config(config, {**options, "mode": mode}, "serving()")
+        config = _made(EngineConfig, config, {**options, "mode": mode}, "serving()")
         run_config = serving_config(self.model, config, sum(r.cache.nbytes for r in self.kept.values()))
         with self._exclusive():
             run = self._open(run_config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT),
@@ -264,7 +265,7 @@ class Engine:
         loop = self.loop
         if loop is None:
             raise RuntimeError("submit needs a serving engine: `with engine.serving(): engine.submit(...)`")
-        params = _sampling_params(params, options, "submit()")
+        params = _made(SamplingParams, params, options, "submit()")
         (ids,), params = check_prompts(self.model, [prompt], params)
         request = Request(next(loop.rids), ids, params)
         allocator = loop.run.scheduler.allocator
@@ -417,27 +418,19 @@ def _progress(on: bool, total: int, mode: str):
 
 def _options(params, config, options: dict, where: str) -> tuple[SamplingParams, EngineConfig]:
     sampling, engine = split_options(options, where)
-    return _sampling_params(params, sampling, where), _engine_config(config, engine, where)
+    return _made(SamplingParams, params, sampling, where), _made(EngineConfig, config, engine, where)
 
 
-def _sampling_params(params, options: dict, where: str) -> SamplingParams:
-    if params is not None and not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a minibatch SamplingParams or None, got {params!r}")
-    unknown = sorted(set(options) - SAMPLING_FIELDS)
+def _made(cls, given, options: dict, where: str):
+    """`given` (a `cls`, or None for its defaults) with `options` (fields of `cls` by name) changed."""
+    if given is not None and not isinstance(given, cls):
+        raise TypeError(f"{where} takes a minibatch {cls.__name__} or None, got {given!r}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
     if unknown:
         raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
-                        f"{sorted(SAMPLING_FIELDS)} (SamplingParams)")
-    return (params or SamplingParams()).replace(**options)
-
-
-def _engine_config(config, options: dict, where: str) -> EngineConfig:
-    if config is not None and not isinstance(config, EngineConfig):
-        raise TypeError(f"config must be a minibatch EngineConfig or None, got {config!r}")
-    unknown = sorted(set(options) - ENGINE_FIELDS)
-    if unknown:
-        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
-                        f"{sorted(ENGINE_FIELDS)} (EngineConfig)")
-    return (config or EngineConfig()).replace(**options)
+                        f"{sorted(fields)} ({cls.__name__})")
+    return (given or cls()).replace(**options)
 
 
 def generate(model: Model | Engine, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:
