@@ -397,5 +397,6 @@ def test_a_client_process_that_fails_is_an_error_naming_it():
                               endpoint="completions", max_concurrency=None)  # url None: each client fails
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="client process failed: AttributeError"):
-        bench_serve._in_processes(args, "tiny", ["hi", "ho"], [(0, 0.0), (1, 0.0)], False, tqdm(disable=True))
+        send = bench_serve.Send.from_args(args, "tiny", usage=False)
+        bench_serve._in_processes(args, send, ["hi", "ho"], [(0, 0.0), (1, 0.0)], tqdm(disable=True))
     assert time.monotonic() - t0 < 60

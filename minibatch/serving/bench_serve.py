@@ -35,9 +35,11 @@ Notebook 08 runs it against `serve` in the sync and the async mode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import bench_report
@@ -100,12 +102,30 @@ def _is_token(chunk, chat: bool) -> bool:
     return bool(c.text) or c.finish_reason is None
 
 
-async def one_request(client, model: str, prompt, max_tokens: int, temperature: float, seed: int, chat: bool,
-                      usage: bool) -> RequestResult:
+@dataclass(frozen=True)
+class Send:
+    """What every request of a run shares: whom to ask, for how much, and how (sent to client processes)."""
+
+    model: str
+    max_tokens: int
+    temperature: float
+    seed: int  # request i is sent with seed + i
+    chat: bool
+    usage: bool  # ask for usage in the stream's last chunk (stream_options), where the server supports it
+    max_concurrency: int | None = None
+
+    @classmethod
+    def from_args(cls, args, model: str, usage: bool) -> "Send":
+        return cls(model, args.max_tokens, args.temperature, args.seed, args.endpoint == "chat", usage,
+                   args.max_concurrency)
+
+
+async def one_request(client, send: Send, prompt, seed: int) -> RequestResult:
     """Send one streamed request; time its chunks as they arrive."""
     r = RequestResult()
-    kw = dict(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True)
-    if usage:
+    chat = send.chat
+    kw = dict(model=send.model, max_tokens=send.max_tokens, temperature=send.temperature, seed=seed, stream=True)
+    if send.usage:
         kw["stream_options"] = {"include_usage": True}
     start = last = time.perf_counter()
     tokens = 0
@@ -151,32 +171,32 @@ def _client(url: str, timeout: float):
     return openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=timeout)
 
 
-async def _send_all(client, opts: dict, model: str, prompts: list, jobs: list, start: float, usage: bool,
-                    tick) -> list:
+async def _send_all(client, send: Send, prompts: list, jobs: list, start: float, tick) -> list:
     """Send request i at `start + at` (time.monotonic, one clock for every process) for each (i, at) in jobs."""
-    limit = asyncio.Semaphore(opts["max_concurrency"] or len(jobs) or 1)
+    limit = asyncio.Semaphore(send.max_concurrency or len(jobs) or 1)
 
-    async def send(i: int, at: float):
+    async def one(i: int, at: float):
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         async with limit:
-            r = await one_request(client, model, prompts[i], opts["max_tokens"], opts["temperature"],
-                                  opts["seed"] + i, opts["endpoint"] == "chat", usage)
+            r = await one_request(client, send, prompts[i], send.seed + i)
         tick()
         return i, r
 
-    return await asyncio.gather(*(send(i, at) for i, at in jobs))
+    return await asyncio.gather(*(one(i, at) for i, at in jobs))
 
 
-def _client_process(url, timeout, opts, model, prompts, jobs, usage, ready, go, start, queue) -> None:
-    """One of --processes clients: its share of the requests, on the parent's clock; results to `queue`."""
+def _client_process(url: str, timeout: float, send: Send, prompts: list, jobs: list, sync: tuple) -> None:
+    """One of --processes clients: its share of the requests, on the parent's clock; results to `queue`.
+    `sync`: (ready, go, start, queue), the parent's two barriers, start time and result queue."""
+    ready, go, start, queue = sync
+
     async def run():
         client = _client(url, timeout)  # imports openai: before the start, so in no request's latency
         ready.wait()
         go.wait()
         cpu = time.process_time()
         try:
-            got = await _send_all(client, opts, model, prompts, jobs, start.value, usage,
-                                  lambda: queue.put(("tick", None)))
+            got = await _send_all(client, send, prompts, jobs, start.value, lambda: queue.put(("tick", None)))
         finally:
             await client.close()
         return got, time.process_time() - cpu
@@ -189,7 +209,7 @@ def _client_process(url, timeout, opts, model, prompts, jobs, usage, ready, go, 
         go.abort()
 
 
-def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar) -> tuple[list, float, float]:
+def _in_processes(args, send: Send, prompts: list, jobs: list, bar) -> tuple[list, float, float]:
     """Spread the requests over args.processes client processes -> (results, wall seconds, busiest CPU share)."""
     import multiprocessing as mp
     import queue as queues
@@ -198,12 +218,11 @@ def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar)
     ctx = mp.get_context("spawn")  # a fresh interpreter: no threads or event loop inherited
     n = args.processes
     ready, go, start, queue = ctx.Barrier(n + 1), ctx.Barrier(n + 1), ctx.Value("d", 0.0), ctx.Queue()
-    opts = _opts(args)
-    if opts["max_concurrency"]:
-        opts["max_concurrency"] = max(1, math.ceil(opts["max_concurrency"] / n))  # split the cap between them
+    if send.max_concurrency:  # split the cap between them
+        send = dataclasses.replace(send, max_concurrency=max(1, math.ceil(send.max_concurrency / n)))
     procs = [ctx.Process(target=_client_process, daemon=True,
-                         args=(args.url, args.timeout, opts, model, prompts, jobs[k::n], usage, ready, go, start,
-                               queue)) for k in range(n)]
+                         args=(args.url, args.timeout, send, prompts, jobs[k::n], (ready, go, start, queue)))
+             for k in range(n)]
 
     def failed(why: str) -> RuntimeError:
         try:
@@ -247,10 +266,6 @@ def _in_processes(args, model: str, prompts: list, jobs: list, usage: bool, bar)
     return results, duration, cpu / duration
 
 
-def _opts(args) -> dict:
-    return {k: getattr(args, k) for k in ("max_tokens", "temperature", "seed", "endpoint", "max_concurrency")}
-
-
 async def run_rate(client, args, model: str, prompts: list, rate: float, usage: bool, desc: str = "") -> dict:
     """All prompts at one rate -> bench_report.summarize's numbers, with the client's own CPU share."""
     from tqdm.auto import tqdm
@@ -258,11 +273,12 @@ async def run_rate(client, args, model: str, prompts: list, rate: float, usage: 
     times = arrival_times(len(prompts), rate, args.burstiness, random.Random(args.seed))
     jobs = list(enumerate(times))
     bar = tqdm(total=len(prompts), desc=desc or f"rate {bench_report.rate_key(rate)}", disable=args.no_progress)
+    send = Send.from_args(args, model, usage)
     if args.processes > 1:
-        results, duration, busy = await asyncio.to_thread(_in_processes, args, model, prompts, jobs, usage, bar)
+        results, duration, busy = await asyncio.to_thread(_in_processes, args, send, prompts, jobs, bar)
     else:
         cpu, start = time.process_time(), time.monotonic()
-        results = await _send_all(client, _opts(args), model, prompts, jobs, start, usage, lambda: bar.update(1))
+        results = await _send_all(client, send, prompts, jobs, start, lambda: bar.update(1))
         duration = time.monotonic() - start
         busy = (time.process_time() - cpu) / duration
     bar.close()

@@ -210,8 +210,8 @@ def _http_stack(http: str) -> str:
     return f"event loop {loop}, HTTP {http}"
 
 
-def create_app(state: ServerState):
-    """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
+def _lifespan(state: ServerState):
+    """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved after."""
     from ..engine.engine import SERVING_TIMELINE_LIMIT, Engine
 
     @asynccontextmanager
@@ -242,15 +242,23 @@ def create_app(state: ServerState):
         finally:  # also after a failure: the steps before it are what explains it
             gc.unfreeze()  # what the engine held in reference cycles can go now
             if state.timeline_path is not None:
-                try:
-                    timeline.save(state.timeline_path)
-                    print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to "
-                          f"{state.timeline_path}", file=sys.stderr, flush=True)
-                except OSError as e:  # never in place of the error that may be on its way out
-                    print(f"minibatch: warning: could not write the timeline to {state.timeline_path}: {e}",
-                          file=sys.stderr, flush=True)
+                _save_timeline(timeline, state.timeline_path)
 
-    app = FastAPI(title="minibatch", lifespan=lifespan)
+    return lifespan
+
+
+def _save_timeline(timeline, path: str) -> None:
+    try:
+        timeline.save(path)
+        print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to {path}",
+              file=sys.stderr, flush=True)
+    except OSError as e:  # never in place of the error that may be on its way out
+        print(f"minibatch: warning: could not write the timeline to {path}: {e}", file=sys.stderr, flush=True)
+
+
+def create_app(state: ServerState):
+    """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it."""
+    app = FastAPI(title="minibatch", lifespan=_lifespan(state))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # 404, 405, ... in OpenAI's shape too

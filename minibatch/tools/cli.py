@@ -191,21 +191,8 @@ def bench_cmd(args) -> None:
         if args.out:
             tl.save(Path(args.out) / f"timeline_{mode.replace('+', '-')}.json")  # no "+" in file names
     engine.close()  # frees the device for transformers' runs below
-    if args.hf:  # transformers' continuous batching, each mode in a process of its own (bench.hf_in_own_process)
-        configs = [dict()]
-        if args.hf != ["default"]:
-            graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
-            configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs
-                       if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in args.hf]
-        for c in configs:
-            try:
-                r, o = bench.hf_in_own_process(args.model, str(model.device), prompts, args.max_new_tokens, c,
-                                               warmup=args.warmup)
-            except Exception as e:  # noqa: BLE001 - one failing HF mode must not lose the others' numbers
-                print(f"transformers generate_batch {c} failed: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            results.append(r)
-            outs[r.mode] = o
+    if args.hf:
+        _hf_runs(args, model, prompts, results, outs)
     print(json.dumps(bench.environment(model)))
     print(bench.format_table(results))
     if len(outs) > 1:
@@ -221,6 +208,27 @@ def bench_cmd(args) -> None:
         bench.save_json(Path(args.out) / "bench.json", model, results, workload)
 
 
+def _hf_runs(args, model, prompts, results: list, outs: dict) -> None:
+    """transformers' continuous batching, each of --hf's modes in a process of its own
+    (bench.hf_in_own_process): its results and tokens join ours."""
+    from . import bench
+
+    configs = [dict()]
+    if args.hf != ["default"]:
+        graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
+        configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs
+                   if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in args.hf]
+    for c in configs:
+        try:
+            r, o = bench.hf_in_own_process(args.model, str(model.device), prompts, args.max_new_tokens, c,
+                                           warmup=args.warmup)
+        except Exception as e:  # noqa: BLE001 - one failing HF mode must not lose the others' numbers
+            print(f"transformers generate_batch {c} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        results.append(r)
+        outs[r.mode] = o
+
+
 def main(argv=None) -> None:
     p = _Parser(prog="python -m minibatch", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -234,6 +242,23 @@ def main(argv=None) -> None:
     d.add_argument("--pairs", type=_int(1), default=5, help="alternating runs of the modes, for a median and a range")
     d.add_argument("--out", default=os.environ.get("MINIBATCH_OUT", "out"), help="folder for figure and trace")
     d.set_defaults(func=demo)
+    _add_bench(sub)
+    add_serving(sub)
+    args = p.parse_args(argv)
+    if args.cmd == "bench" and args.hf_memory is not None and args.hf in (None, ["default"]):  # else silently unused
+        p.error("--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES (e.g. --hf all)")
+    from ..devices import DeviceError
+
+    try:
+        args.func(args)
+    except DeviceError:  # a fault or timeout inside device work is no user error: keep its traceback
+        raise
+    except (ValueError, TypeError, OSError) as e:  # user errors (bad model folder, device, sizes): one line
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="one workload, each mode, side by side; JSON out")
     b.add_argument("--model", default="tiny")
     b.add_argument("--device", default="auto")
@@ -269,17 +294,4 @@ def main(argv=None) -> None:
                         "Decode-layout steps only: CUDA")
     b.add_argument("--out", default=None, help="folder for bench.json and timelines")
     b.set_defaults(func=bench_cmd)
-    add_serving(sub)
-    args = p.parse_args(argv)
-    if args.cmd == "bench" and args.hf_memory is not None and args.hf in (None, ["default"]):  # else silently unused
-        p.error("--hf-memory sizes the KV cache of transformers' chosen modes: it needs --hf MODES (e.g. --hf all)")
-    from ..devices import DeviceError
-
-    try:
-        args.func(args)
-    except DeviceError:  # a fault or timeout inside device work is no user error: keep its traceback
-        raise
-    except (ValueError, TypeError, OSError) as e:  # user errors (bad model folder, device, sizes): one line
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        raise SystemExit(2) from None
 

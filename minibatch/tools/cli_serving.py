@@ -96,6 +96,10 @@ def add_serving(sub) -> None:
     s.add_argument("--max-queue", type=_int(1), default=None,
                    help="waiting requests beyond which the server answers 503 (default: no limit)")
     s.set_defaults(func=serve_cmd)
+    _add_bench_serve(sub)
+
+
+def _add_bench_serve(sub) -> None:
     b = sub.add_parser("bench-serve", help="TTFT, TPOT, ITL, throughput of any OpenAI-compatible server")
     b.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="default: the first id of /v1/models")
