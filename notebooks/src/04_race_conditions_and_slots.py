@@ -10,15 +10,20 @@
 # %%
 import json
 import os
+from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batching.buckets import bucket
+from minibatch.batching.batch import build_batch
+from minibatch.batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from minibatch.batching.requests import Request
+from minibatch.batching.scheduler import Scheduler
+from minibatch.batching.slots import IOSlot
 from minibatch.devices import get_device
-from minibatch.batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
 from minibatch.runner.graphs import StepRunner
+from minibatch.runner.launch import forward_step, launch_step
 from minibatch.timeline import Timeline
 
 torch.manual_seed(0)
@@ -67,46 +72,130 @@ with get_device("cpu") as dev:
     print("slot A on the device:", devs[0].tolist(), " slot B:", devs[1].tolist())
 
 # %% [markdown]
-# ## 2. The same race in the generation loop
+# ## 2. The same race in a pipelined loop
 #
-# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/batching/slots.py`): host
-# buffers, device buffers, and the three events H2D-done, compute-done and D2H-done. The
-# asynchronous loop of notebook 06 prepares batch N+1 while batch N runs; `generate` lets us run it
-# with a single slot and an injected delay, to see what happens. Reference first: the synchronous
-# loop, which never overlaps anything.
+# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/batching/slots.py`):
+# host buffers that the device can read, device buffers, and the three events `h2d_done`,
+# `compute_done` and `d2h_done`. `slot.load(batch, [])` writes a host batch (notebook 01's
+# `build_batch`) into the slot's host buffers (the empty list is notebook 05's carry-over mask:
+# nothing to carry here). `launch_step` (`minibatch/runner/launch.py`) then enqueues the step
+# exactly as notebook 03's pipeline did, and returns at once:
+#
+# ```
+# H2D      copy the inputs ●h2d_done
+# compute                  ╎wait  forward + sample ●compute_done
+# D2H                                              ╎wait  copy the sampled ids ●d2h_done
+# ```
+#
+# Its last argument, `delays`, makes a stream sleep before the step's work: the `stream.sleep` of
+# section 1. The compute work is `forward_step`: notebook 01's forward pass and sampling, reading
+# the slot's device buffers. (It also patches in tokens carried over from the step before, which is
+# notebook 05's subject; here there are none.)
+#
+# With these pieces we build a small loop in which the host and the device overlap. To keep it to
+# the point, its steps do not depend on each other: step *n* is the prefill of the *n*-th group of
+# prompts and samples each prompt's next token, so the host can prepare step *n*+1 without knowing
+# step *n*'s tokens (notebook 05 takes on a loop that needs them). Each turn, the host
+#
+# 1. prepares step *n*: plans it and loads it into slot *n* mod `num_slots`, while step *n*-1 may
+#    still be on the device;
+# 2. launches it;
+# 3. only then waits for step *n*-1's `d2h_done`.
+#
+# The work: twelve prompts cut to their first 11 characters (the tiny model's tokenizer gives one
+# token per byte, after a BOS token), two per group, so that every step has the same shape. The
+# reference comes from the model called directly, one group after the other, as in notebook 01: no
+# device and no streams, so nothing can overlap.
 
 # %%
-prompts = [tok.encode(t) for t in ["The for statement", "A class definition", "Exceptions are raised"]]
-kw = dict(max_new_tokens=60, temperature=0.7, seed=3, eos_token_id=tok.eos_token_id, max_batch_tokens=64)
-reference = minibatch.generate(model, prompts, mode="sync", **kw)
-for o in reference:
-    print(repr(tok.decode(o)))
+texts = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
+         "Assignment statements", "A string literal", "The while statement", "Names refer to objects",
+         "Built-in functions", "The with statement", "Lambda expressions", "Comparisons yield"]
+groups = [[tok.encode(t)[:12] for t in texts[i:i + 2]] for i in range(0, len(texts), 2)]
+
+
+def plan_prefill(cache, group):
+    """One step's plan: the whole prompt of every request in `group`, each sampling its next token."""
+    sched = Scheduler(cache.allocator, max_batch_tokens=64, max_batch_size=len(group))
+    for i, prompt in enumerate(group):
+        sched.add(Request(i, prompt, max_new_tokens=1))
+    return sched.schedule()
+
+
+def show(tokens):
+    """Each step's prompts (without BOS), each followed by the token sampled for it."""
+    for n, (group, next_ids) in enumerate(zip(groups, tokens)):
+        pairs = [f"{tok.decode(p[1:])!r} + {tok.decode([t])!r}" for p, t in zip(group, next_ids)]
+        print(f"step {n}:  " + "   ".join(pairs))
+
+
+cache = model.make_cache(num_blocks=32, block_size=8)
+reference = [model.next_tokens(build_batch(plan_prefill(cache, g), cache), cache).tolist() for g in groups]
+show(reference)
 
 # %% [markdown]
-# Now one slot, with the H2D stream held up 30 ms before every copy. Each step's copy then runs
-# after the host has already written the *next* step's inputs into the same host buffers:
+# The loop. Besides the slots, it keeps a table `tokens` with one row per step: right after a
+# step's own D2H copy, the D2H stream copies the step's sampled ids into its row as well (the stream
+# runs the two copies in the order they were launched). The slot's output buffer is overwritten by
+# the next step that uses the slot; the table keeps every step's tokens until the host reads them,
+# at the end, so that what we compare is what each step computed.
+
+# %%
+def pipelined(groups, num_slots, delays=None, timeline=None):
+    """Step n prefills groups[n]; the host prepares and launches step n before waiting for step n-1."""
+    cache = model.make_cache(num_blocks=32, block_size=8)
+    run = partial(forward_step, model, cache)  # the compute work of every step
+    rows = len(groups[0])
+    tl = timeline if timeline is not None else Timeline()
+    with get_device("cpu", tl, inherit=(model,)) as dev:
+        h2d, compute, d2h = streams = dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H")
+        slots = [IOSlot(dev, i, 64, cache.num_cells, rows) for i in range(num_slots)]
+        tokens = dev.pin(torch.zeros(len(groups), rows, dtype=torch.int64))  # row n: step n's tokens
+        for n, group in enumerate(groups):
+            slot = slots[n % num_slots]
+            with tl.span("CPU", "prepare", n, slot.index):
+                slot.load(build_batch(plan_prefill(cache, group), cache), [])  # step n-1 may still run
+            launch_step(run, streams, slot, None, n, delays)  # returns at once
+            d2h.copy(tokens[n], slot.out_dev[:rows], name="D2H", lane="D2H", step=n, slot=slot.index)
+            if n:
+                previous = slots[(n - 1) % num_slots]  # with two slots, the one step n+1 will load
+                with tl.span("CPU", "wait", n - 1, previous.index):
+                    previous.d2h_done.synchronize(timeout=5)
+        dev.synchronize(timeout=5)
+        return tokens.tolist()
+
+
+def prepared_early(tl):
+    """The steps the host had prepared before the step launched just before them had computed."""
+    prepared = {s.step: s for s in tl.spans if s.name == "prepare"}
+    computed = {s.step: s for s in tl.spans if s.name == "compute"}
+    return [n for n in sorted(prepared) if n - 1 in computed and prepared[n].end < computed[n - 1].end]
+
+# %% [markdown]
+# One slot, with the H2D stream held up 50 ms before every copy. What should the printout show? If
+# the loop were right, the same next characters as the reference.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 tl_bad = Timeline()
-broken = minibatch.generate(model, prompts, mode="async", num_slots=1, allow_races=True,
-                            inject_delays={"H2D": 0.03}, timeline=tl_bad, **kw)
-for o in broken:
-    print(repr(tok.decode(o)))
+broken = pipelined(groups, 1, {"H2D": 0.05}, tl_bad)
+show(broken)
 
 # %%
 print("same as the reference?", broken == reference)
+print("steps whose tokens are wrong:", [n for n in range(len(groups)) if broken[n] != reference[n]])
+print("step 0 came out with group 1's tokens:", broken[0] == reference[1])
+print("steps prepared before the previous step had computed:", prepared_early(tl_bad))
 
 # %% [markdown]
-# Wrong text: the continuations changed and drift into nonsense words, because a step computed
-# with the inputs (token ids, positions, cache cells) of another step. The timeline shows where.
-# Step 0's copy waits 30 ms on the H2D stream; the host, free at once, prepares step 1 into the same
-# slot, so when the copy finally runs it carries step 1's inputs (red label): step 0's forward pass
-# reads step 1's token ids, positions and cache cells in the rows step 1 filled, the prompts' keys
-# land in the wrong places of the KV cache, and every later token is sampled from that wrong cache. (With one slot the host also waits
-# on the slot's one D2H-done event, which each launch records again; that keeps the later copies in
-# step with their own inputs, but the damage of step 0 is done.) Which wrong tokens come out depends
-# on timing; that they are wrong does not.
+# Step 0 answered for the prompts of group 1: its forward pass ran on step 1's inputs. The timeline
+# shows how. Step 0's copy waits 50 ms on the H2D stream; `launch_step` returned at once, so the host
+# went on and prepared step 1 into the same slot, and when the copy finally ran it carried step 1's
+# inputs (red label). Every later step is right, but only because the loop stopped overlapping: the
+# slot has a single `d2h_done`, and launching step 1 recorded it again, so the host's wait "for step
+# 0" ended only when step 1 was done. From then on the host prepares step *n*+1 only after step *n*
+# has finished (the last line above: only step 1 was prepared early, and that is the step that did
+# the damage). With one slot the loop is either wrong or no faster than the synchronous loop.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -121,7 +210,7 @@ t1 = [s for s in tl_bad.spans if s.name == "compute" and s.step == 2][0].end
 t1 += 0.08 * (t1 - t0)
 fig, ax = plt.subplots(figsize=(10, 3.0))
 tl_bad.plot(ax=ax, start=t0, end=t1, step_labels=True,
-            title="one slot, H2D delayed 30 ms (numbers: steps; labels: whose inputs each copy carried)")
+            title="one slot, H2D delayed 50 ms (numbers: steps; labels: whose inputs each copy carried)")
 for c in copies:
     if c.start <= t1:
         wrong = carried[c.step] != c.step
@@ -133,26 +222,37 @@ fig.tight_layout()
 fig.savefig(f"{FIGURES}/04_one_slot_race_cpu.png", dpi=110)
 
 # %% [markdown]
-# Two slots, same delay: batch N+1 goes into the other slot, and the host comes back to a slot only
-# after waiting for that slot's previous D2H-done event. Correct every time:
+# Two slots, same delay: step *n*+1 goes into the other slot. And the slot the host loads next is
+# always the one step *n*-1 used, whose `d2h_done` it has just waited for: the host comes back to a
+# slot only after that slot's previous step is done with it, so nothing reads it any more. Right
+# every time, and now the host prepares every step while the one before it is still on the device:
 
 # %%
-fixed = minibatch.generate(model, prompts, mode="async", num_slots=2, inject_delays={"H2D": 0.03}, **kw)
+tl_ok = Timeline()
+fixed = pipelined(groups, 2, {"H2D": 0.05}, tl_ok)
 print("same as the reference?", fixed == reference)
+print("steps prepared before the previous step had computed:", prepared_early(tl_ok))
 
 # %% [markdown]
-# The device side has the same hazard: with one slot, batch N+1's H2D copy can overwrite the
-# device buffers that batch N's forward pass has not read yet. A delay on the compute stream makes
-# that happen every time; two slots fix it too (`tests/test_races.py` checks both, on the CPU and
-# on a GPU).
+# The device side has the same hazard: with one slot, step *n*+1's H2D copy can overwrite the
+# device buffers that step *n*'s forward pass has not read yet. A delay on the compute stream makes
+# that happen every time (the copies are not delayed now: step 1's lands while step 0's forward pass
+# is still held up); two slots fix it too:
 
 # %%
-compute_bad = minibatch.generate(model, prompts, mode="async", num_slots=1, allow_races=True,
-                                 inject_delays={"compute": 0.03}, **kw)
-compute_ok = minibatch.generate(model, prompts, mode="async", num_slots=2, inject_delays={"compute": 0.03}, **kw)
-print("one slot correct?", compute_bad == reference, "  two slots correct?", compute_ok == reference)
+compute_bad = pipelined(groups, 1, {"compute": 0.05})
+compute_ok = pipelined(groups, 2, {"compute": 0.05})
+print("one slot correct?", compute_bad == reference,
+      " (step 0 came out with group 1's tokens:", str(compute_bad[0] == reference[1]) + ")")
+print("two slots correct?", compute_ok == reference)
 
 # %% [markdown]
+# The asynchronous loop of notebook 06 uses the same two slots in the same order: prepare and launch
+# step *N*+1, then wait for step *N*. Its steps do depend on each other, since step *N*+1 continues
+# the requests of step *N* with the tokens step *N* samples; notebook 05 shows how the device fills
+# those in. `tests/test_races.py` checks both races, and both fixes, in that loop, on the CPU and on
+# a GPU.
+#
 # The price of two slots is double memory for the IO tensors, which is small: for 32 requests it is
 # a few hundred kilobytes of indices, against gigabytes of weights and KV cache.
 #
@@ -231,6 +331,8 @@ fig.savefig(f"{FIGURES}/04_graph_pool_memory_gpu.png", dpi=110)
 #   inputs a pending copy has not read (host side), and a new copy overwrites inputs the device
 #   has not used (device side). Injected delays make both happen every time.
 # * Two IO slots used in turn, and a host that reuses a slot only after its D2H-done event, fix both.
+#   With one slot a pipelined loop is either wrong or, once it waits, no faster than the synchronous
+#   loop.
 # * CUDA graphs remove launch overhead; each slot needs its own graphs, and one shared pool keeps
 #   their memory at about one graph's.
 #

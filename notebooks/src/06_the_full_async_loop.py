@@ -122,10 +122,12 @@ for t, o in zip(texts, inline_out):
 #   that produced the EOS, one step later than in the synchronous loop, so a newcomer may wait one
 #   more step, and a step can even come out empty.
 #
-# The package's loop is `minibatch.engine.async_loop.run_async`, which `minibatch.generate(...,
-# mode="async")` runs. Same scheduler, same slots, same carry-over: it must give the same tokens as
-# our inline loop, and both the same as the synchronous loop (the sampling is seeded per request
-# and per token, so the different batch shapes do not matter).
+# In the package, one turn of this loop, the body of our `while`, is `async_step` in
+# `minibatch/engine/async_loop.py`. `Engine.step` (`minibatch/engine/engine.py`) runs one turn, and
+# `minibatch.generate(..., mode="async")` builds an `Engine` whose `generate` calls `step` until
+# every request has finished. Same scheduler, same slots, same carry-over: it must give the same
+# tokens as our inline loop, and both the same as the synchronous loop (the sampling is seeded per
+# request and per token, so the different batch shapes do not matter).
 
 # %%
 kw = dict(max_new_tokens=40, temperature=0.7, seed=3, eos_token_id=EOS, max_batch_tokens=32, max_batch_size=4,
@@ -140,8 +142,9 @@ print("inline async loop == minibatch.generate(mode='async') == minibatch.genera
 #
 # A small run: three prompts, five new tokens each. To make the order of events the same on every
 # machine, we slow the emulated device down with an injected delay of 20 ms per step on its
-# compute stream (`inject_delays`, notebook 04), as if it were a GPU running a large model: a
-# device that is busy without needing the host's CPU. We record both loops' timelines.
+# compute stream (`inject_delays`, which the engine hands to `launch_step` as the `delays` of
+# notebook 04), as if it were a GPU running a large model: a device that is busy without needing
+# the host's CPU. We record both loops' timelines.
 
 # %%
 small = [tok.encode(t) for t in ["The for statement", "A class", "Names"]]
