@@ -18,7 +18,7 @@ import torch
 import minibatch
 from minibatch.batching.batch import build_batch
 from minibatch.batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
-from minibatch.batching.requests import Request
+from minibatch.batching.requests import Request, SamplingParams
 from minibatch.batching.scheduler import Scheduler
 from minibatch.batching.slots import IOSlot
 from minibatch.devices import get_device
@@ -118,7 +118,7 @@ def plan_prefill(cache, group):
     """One step's plan: the whole prompt of every request in `group`, each sampling its next token."""
     sched = Scheduler(cache.allocator, max_batch_tokens=64, max_batch_size=len(group))
     for i, prompt in enumerate(group):
-        sched.add(Request(i, prompt, max_new_tokens=1))
+        sched.add(Request(i, prompt, SamplingParams(max_new_tokens=1)))
     return sched.schedule()
 
 
