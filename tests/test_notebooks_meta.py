@@ -120,9 +120,11 @@ def test_every_module_has_a_chapter():
 
 
 def test_every_figure_the_docs_name_is_committed():
-    """README, BENCHMARKS and the notebooks' prose name figures/...png files: they must be in the
-    repository, since running the notebooks writes figures under out/figures/, not figures/."""
+    """README, BENCHMARKS (and the history it links) and the notebooks' prose name figures/...png files:
+    they must be in the repository, since running the notebooks writes figures under out/figures/, not
+    figures/."""
     texts = [(ROOT / name).read_text() for name in ("README.md", "BENCHMARKS.md")]
+    texts += [path.read_text() for path in sorted((ROOT / "notes").glob("benchmarks_history_*.md"))]
     texts += [text for src in (ROOT / "notebooks" / "src").glob("*.py")
               for kind, text in parse(src) if kind == "markdown"]
     named = {m for text in texts for m in re.findall(r"figures/[\w.-]+\.png", text)}

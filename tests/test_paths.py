@@ -23,7 +23,7 @@ def named_in() -> list[Path]:
     """The files whose text is checked: tracked code, notebook sources, scripts, tests and docs."""
     tracked = subprocess.run(["git", "ls-files", "minibatch", "scripts", "tests", "notebooks/src",
                               "notebooks/exercises.py", "notebooks/solutions", "README.md", "BENCHMARKS.md",
-                              "figures/data/runs"],
+                              "notes", "figures/data/runs"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     # this file names missing paths on purpose, to show that the check finds them
     return [ROOT / p for p in tracked if p.endswith((".py", ".md", ".sh")) and p != "tests/test_paths.py"]
