@@ -85,7 +85,7 @@ class Model:
         # (gathers each row's keys, then one fused kernel) or "einsum" (the readable version). On a GPU
         # the Triton kernel is the default where Triton is installed: it reads the keys in place instead
         # of gathering a copy first, and is the faster of the two at every batch and context in
-        # BENCHMARKS.md
+        # BENCHMARKS.md and its history (notes/benchmarks_history_2026-11-29_to_2026-12-02.md)
         self.decode_attention = "einsum"
         if cuda:
             from . import triton_decode

@@ -4,7 +4,7 @@ Status: the decode attention on a GPU where Triton is installed (`Model.decode_a
 inside torch.compile'd steps (as the custom operator `minibatch::paged_decode`); checked
 against the einsum reference on the GPU (float32 and bf16) and on the CPU with Triton's interpreter
 (tests/test_paged_kernel.py, skipped where Triton is not installed); timed against the gather + SDPA
-path by scripts/experiments/decode_attention_ab.py (BENCHMARKS.md).
+path by scripts/experiments/decode_attention_ab.py (notes/benchmarks_history_2026-11-29_to_2026-12-02.md).
 
 Why: the SDPA decode attention (attention.py) first copies every row's keys and values out of the
 cache (`index_select`) into a contiguous [rows, L] table, then runs SDPA over the copy: every byte

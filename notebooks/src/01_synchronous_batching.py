@@ -219,7 +219,8 @@ fig.savefig(f"{FIGURES}/01_sync_timeline_cpu.png", dpi=110)
 # We ran `python -m minibatch bench` with a Llama-3-8B-shaped model (random weights, bfloat16) on
 # one NVIDIA H200: 32 prompts of 256 tokens, 256 new tokens each. The recorded timeline is
 # committed under `figures/data/`, so we can redraw it here without a GPU. It is the project's
-# first recording (H200, 2026-11-29; `BENCHMARKS.md`, "History"): every step eager (no CUDA graphs),
+# first recording (H200, 2026-11-29; `notes/benchmarks_history_2026-11-29_to_2026-12-02.md`, "The
+# first sync loop"): every step eager (no CUDA graphs),
 # attention masked over every key of the batch, and each step's compute timed on the host's clock.
 # Notebooks 02 to 07 use later recordings of the same workload, whose steps are many times shorter;
 # this one is kept because it shows what the host clock hides.

@@ -350,7 +350,8 @@ fig.savefig(f"{FIGURES}/02_launch_overhead_gpu.png", dpi=110)
 # time for 21 ms of GPU work): the GPU keeps waiting for its next kernel. The fix is the one our
 # small experiment shows, one launch instead of many: a **CUDA graph** records the whole step once
 # and replays it with a single launch (notebook 04). With graphs the same workload's synchronous
-# loop ran twice as fast (`BENCHMARKS.md`: 39.3 → 19.9 ms per step).
+# loop ran twice as fast (39.3 → 19.9 ms per step, 2026-11-29:
+# `notes/benchmarks_history_2026-11-29_to_2026-12-02.md`).
 #
 # ## 5. Three streams and non-blocking copies
 #

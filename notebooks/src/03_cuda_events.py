@@ -338,8 +338,9 @@ fig.savefig(f"{FIGURES}/03_sync_loop_waits_cpu.png", dpi=110)
 #
 # The recorded timeline of `python -m minibatch bench` in sync mode on one H200, Llama-3-8B shape
 # (bf16, random weights), 32 prompts of 256 tokens, 256 new tokens each, decode steps replayed as
-# CUDA graphs: the "graphs on, run 2" of `BENCHMARKS.md` (H200, 2026-11-29, `python -m minibatch
-# bench --model llama3-8b-shape --device cuda --modes sync,async --cuda-graphs on ...`), made with the
+# CUDA graphs: the graphs-on run of 2026-11-29 (`python -m minibatch bench --model llama3-8b-shape
+# --device cuda --modes sync,async --cuda-graphs on ...`; "Device layer, CUDA graphs, async loop" in
+# `notes/benchmarks_history_2026-11-29_to_2026-12-02.md`), made with the
 # first version of the decode step (einsum attention, full sampler; notebook 07 shows how a step of
 # this workload later came down from 15.5 <!-- from figures/data/headline.json: decode_step.first_graphed_ms --> to 5.4 ms <!-- from figures/data/headline.json: decode_step.merged_ms -->). The device spans are measured with CUDA events on the GPU's own
 # clock, so unlike notebook 01's host-clock spans they show when the GPU actually worked. We look at
@@ -401,7 +402,7 @@ fig.savefig(f"{FIGURES}/03_sync_timeline_gpu_graphs.png", dpi=110)
 # * **05**: batch N+1 needs the tokens batch N has not produced yet: a placeholder and a
 #   *carry-over* done on the device fill them in;
 # * **06**: all of it together, the asynchronous loop: in the same H200 run its steps follow each
-#   other with no gap, the GPU busy 100% of the time (`BENCHMARKS.md`).
+#   other with no gap, the GPU busy 100% of the time (`notes/benchmarks_history_2026-11-29_to_2026-12-02.md`).
 #
 # ## Summary
 #

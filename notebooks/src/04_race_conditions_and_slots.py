@@ -296,7 +296,8 @@ print("CUDA graphs on this device:", StepRunner(model, cache).use_graphs)
 # ### Recorded on an H200
 #
 # The 8B-shaped model (bf16), 32 prompts of 256 tokens, 256 new tokens each, synchronous loop,
-# eager and with graphs, from runs recorded with `python -m minibatch bench` (`BENCHMARKS.md`).
+# eager and with graphs, from runs recorded with `python -m minibatch bench` on 2026-11-29
+# (`notes/benchmarks_history_2026-11-29_to_2026-12-02.md`).
 
 # %%
 runs = {g: json.load(open(f"../figures/data/gpu_bench_{g}_llama3-8b-shape_b32_256.json")) for g in ("eager", "graphs")}

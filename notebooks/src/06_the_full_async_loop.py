@@ -420,10 +420,10 @@ with minibatch.Engine(model) as engine:
 # synchronous loop and 99.4% in the asynchronous one, 22% less wall time. We recorded
 # `python -m minibatch bench --modes sync,async` on one H200 (Llama-3-8B shape with random
 # weights, bfloat16, 32 prompts of 256 tokens, 256 new tokens each), once eager and once with CUDA
-# graphs (`BENCHMARKS.md`, 2026-11-29, "graphs on, run 2", with the first version of the decode
-# step), and later once more with the faster decode step of notebook 07 ("sdpa": gathered keys and
-# SDPA attention, keys padded to 256, 2026-11-30, run A of the "Headline" section of
-# `BENCHMARKS.md`). None of them is today's default step (the Triton attention of notebook 07, since
+# graphs (2026-11-29, with the first version of the decode step), and later once more with the
+# faster decode step of notebook 07 ("sdpa": gathered keys and SDPA attention, keys padded to 256,
+# 2026-11-30); both are in `notes/benchmarks_history_2026-11-29_to_2026-12-02.md` ("Device layer,
+# CUDA graphs, async loop" and "Sync vs async, the article's experiment"). None of them is today's default step (the Triton attention of notebook 07, since
 # compiled and merged): the README's results table has its numbers, and the timelines' shape is the
 # same. The timelines are committed as `figures/data/gpu_sync_*.json` and `gpu_async_*.json`, so the
 # cell below redraws them without a GPU. On a GPU the device spans are timed with CUDA events, on

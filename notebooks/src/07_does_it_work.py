@@ -624,5 +624,5 @@ for h in (1.0, 2.0, 4.0, 6.0, 8.0):
 # from what changed since the last one (a decode step moves each request by one token: `decode_keys.py`
 # updates its key table by one cell per row instead of rebuilding it), keep per-request facts (the
 # cells of its block table) instead of recomputing them, and vectorize what would be Python per row.
-# `scripts/host_cost.py` times each part of the host's step; BENCHMARKS.md ("Host cost per step") has
-# its numbers.
+# `scripts/host_cost.py` times each part of the host's step; "Host cost per step, 2-core CPU" in
+# `notes/benchmarks_history_2026-11-29_to_2026-12-02.md` has its numbers.

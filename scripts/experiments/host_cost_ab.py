@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python scripts/experiments/host_cost_ab.py OUT --against /tmp/before [--rows 128] [--context 1024]
 
 Why not two runs of host_cost.py: on a shared machine the speed of a core drifts by up to 3x within
-minutes (BENCHMARKS.md), more than most changes to the host's work. Here the other checkout's
+minutes (notes/benchmarks_history_2026-11-29_to_2026-12-02.md), more than most changes to the host's work. Here the other checkout's
 `minibatch` is copied under another name and imported beside this one; two identical runs (N requests
 with a prompt of C tokens, prefilled untimed, then decoding in the decode layout a GPU run builds) take
 turns step by step, the order alternating, so a drift slows both alike. Parts timed per step: schedule,

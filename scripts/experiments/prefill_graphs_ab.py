@@ -12,7 +12,7 @@ float32, and they are reported, not required, in bf16 (padding changes the matri
 round differently). Writes OUTDIR/prefill_graphs_ab.json after every point.
 
 The default points are the sweep's small shapes where the async loop left the GPU idle before each eager
-prefill step (BENCHMARKS.md), and the 8B shape with requests arriving all along the run (mixed steps
+prefill step (notes/benchmarks_history_2026-11-29_to_2026-12-02.md), and the 8B shape with requests arriving all along the run (mixed steps
 throughout, each compute-bound), where padding must not cost more than it saves.
 """
 

@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu/reproduce.sh OUTDIR [SECTION ...]     # default: every section, in this order
 #
-# Sections (each writes OUTDIR/SECTION/ and a log; BENCHMARKS.md says which table each one fills):
+# Sections (each writes OUTDIR/SECTION/ and a log; BENCHMARKS.md, or for older runs its history in
+# notes/benchmarks_history_2026-11-29_to_2026-12-02.md, says which table each one fills):
 #   tests      the GPU tests (tests/test_gpu.py, the cuda half of tests/test_device.py, the Triton kernel)
 #   headline   8B shape, 32 x 256-token prompts, 256 new tokens: sync and async with CUDA graphs, the floor,
 #              and transformers' generate_batch in each of its modes, each in a process of its own
