@@ -7,7 +7,7 @@ project runs on (2.13 on the CPU, 2.11 on the GPU machine of BENCHMARKS.md); tes
 checks each hook on whichever version is installed, so running it under another one says which
 hooks still hold.
 
-    tensor_version     a tensor's in-place write counter (Tensor._version)          engine
+    tensor_version     a tensor's in-place write counter (Tensor._version)          model/model.py
     rebind_data        point a parameter at other storage (Tensor.data = ...)       runner/siblings.py
     LINEAR(_TARGETS)   the function an FX graph's linear nodes call                runner/siblings.py
     inductor_compile   Inductor, as torch.compile's backend would run it            runner/siblings.py

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
-from ..devices.base import Device
+from ..devices.base import Device, resident
 
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
@@ -121,13 +121,14 @@ class StepArgs:
     key: tuple  # (slot, previous slot, tokens, keys, sampled rows, layout): one CUDA graph per key
 
 
+@resident
 class SlotBuffers:
     """One slot's buffers by field name, host side and device side: all that its copies and its
     compute work read or write.
 
     Why it exists apart from IOSlot: launch_step sends this object with the entries used, instead of
     the ~30 views that a step's copies and compute read. On the cpu device it travels once and is
-    named afterwards (device_process.resident_types), and the device side cuts the views itself, which
+    named afterwards (it is `@resident`), and the device side cuts the views itself, which
     is cheaper than rebuilding them from a message while the forward pass needs the same core.
     """
 

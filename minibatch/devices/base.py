@@ -13,6 +13,28 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
+
+_RESIDENT: tuple[type, ...] = (torch.nn.Module,)
+
+
+def resident(cls: type) -> type:
+    """Class decorator: objects of `cls` live on the device side. A device that is a process of its
+    own (devices/cpu.py) receives one once (or inherits it at its fork) and names it afterwards, as a
+    GPU keeps a model's weights or a KV cache. Each such type says so where it is defined (the KV
+    cache, the IO slots' device buffers, the step runner, the model); the devices know only torch
+    modules."""
+    global _RESIDENT
+    if cls not in _RESIDENT:
+        _RESIDENT += (cls,)
+    return cls
+
+
+def resident_types() -> tuple[type, ...]:
+    """The types marked `@resident`."""
+    return _RESIDENT
+
 
 class DeviceError(RuntimeError):
     """Work on the device failed, or the device was used wrongly; raised in the host."""

@@ -44,24 +44,9 @@ import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
 from ..compat import object_at
-from .base import DeviceError
+from .base import DeviceError, resident_types
 from . import lifecycle
-_RESIDENT: tuple[type, ...] = (torch.nn.Module,)
 _SIDE: "DeviceSide | None" = None  # the device process's state, for the rebuild functions below
-
-
-def register_resident(*types: type) -> None:
-    """Declare types whose objects live on the device side: sent once (or inherited at fork), named
-    afterwards, as a GPU keeps a model's weights or a KV cache. The layers above the devices register
-    theirs (the engine: the model, the KV cache, the step runner, the IO slots' device buffers); the
-    device layer itself knows only torch modules."""
-    global _RESIDENT
-    _RESIDENT += tuple(t for t in types if t not in _RESIDENT)
-
-
-def resident_types() -> tuple[type, ...]:
-    """The types registered with `register_resident`."""
-    return _RESIDENT
 
 
 class Pickler(cloudpickle.Pickler):

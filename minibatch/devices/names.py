@@ -5,7 +5,7 @@ what goes by value and what by name (devices/cpu_process.py rebuilds both):
 
     a tensor in shared memory (dev.empty, dev.pin)  -> view(storage key, offset, shape, stride)
     a plain host tensor                               -> refused: a GPU cannot read pageable memory either
-    a resident object (a model, a KV cache, a step runner: `device_process.resident_types`)
+    a resident object (a model, a KV cache, a step runner: `base.resident_types`)
         inherited by the fork                         -> its address, the same in the child
         sent before and still alive                   -> its key
         new                                           -> by value once, then remembered by key
@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from . import cpu_process as device_process
+from .base import resident_types
 from .base import DeviceError
 
 
@@ -77,7 +78,7 @@ class Names:
             raise DeviceError("device work got a plain host tensor (shape " + str(tuple(obj.shape)) + "); the "
                               "device cannot reach pageable host memory, as a GPU kernel cannot: allocate it "
                               "with dev.empty (device memory) or dev.pin (host memory the device reaches)")
-        if isinstance(obj, device_process.resident_types()):
+        if isinstance(obj, resident_types()):
             i = id(obj)
             ref = self.forked.get(i)
             if ref is not None and ref() is obj:

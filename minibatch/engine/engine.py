@@ -37,17 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching.kv_cache import PagedKVCache
 from ..batching.requests import Request, SamplingParams
 from ..batching.scheduler import Scheduler
-from ..batching.slots import IOSlot, SlotBuffers
+from ..batching.slots import IOSlot
 from ..devices import get_device
 from ..devices.base import DeviceError, deferred_interrupts
-from ..devices.cpu_process import register_resident
 from ..model.model import Model
-from ..runner.compiled import CompiledStep
 from ..runner.graphs import StepRunner
-from ..compat import tensor_version
 from ..timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
@@ -59,8 +55,6 @@ from .sync_loop import sync_step
 SERVING_TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
 
 STEPS = {"sync": sync_step, "async": async_step}
-# what the cpu device process keeps on its side once sent (or inherited at fork), as a GPU keeps them
-register_resident(Model, PagedKVCache, StepRunner, CompiledStep, SlotBuffers)
 
 
 @dataclass
@@ -119,7 +113,7 @@ class Engine:
         self.run: Run | None = None
         self.loop: Loop | None = None  # while serving
         self._busy = threading.Lock()  # held by the run in progress (a generate, or a serving context)
-        self._compiled: CompiledStep | None = None
+        self._compiled = None  # the model's compiled decode step, made at the first compiled run
         self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
 
     # --- a run, step by step ------------------------------------------------------------------------
@@ -327,7 +321,7 @@ class Engine:
         if shape.compiled:
             dynamic = shape.compiled == "dynamic"
             if self._compiled is None or self._compiled.dynamic_rows != dynamic:
-                self._compiled = CompiledStep(model, dynamic_rows=dynamic)
+                self._compiled = model.compiled_step(dynamic_rows=dynamic)
             compiled = self._compiled
         cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
         slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]
@@ -361,13 +355,9 @@ class Engine:
     def _weights_changed(self) -> None:
         """Weights changed since the last run (loaded into the model, or moved by `.to()` and back):
         kept CUDA graphs read them where they were, and the cpu device process computes with the copy it
-        forked, so both go. Seen by each parameter's address and version (bumped by any in-place write)."""
-        model = self.model
-        if model.device.type == "cuda":
-            from ..runner import siblings
-
-            siblings.pack(model.hf)  # weights that moved are stacked again, as compiled steps expect
-        seen = tuple((p.data_ptr(), tensor_version(p)) for p in model.hf.parameters())
+        forked, so both go (Model.weights_seen)."""
+        self.model.pack_weights()  # weights that moved are stacked again, as compiled steps expect
+        seen = self.model.weights_seen()
         if self._weights_seen is not None and seen != self._weights_seen:
             self.close()  # the next _device() opens a fresh one
         self._weights_seen = seen

@@ -31,6 +31,8 @@ from ..batching.batch import Batch
 from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..batching.kv_cache import PagedKVCache
 from ..batching.sampling import sample
+from ..compat import tensor_version
+from ..devices.base import resident
 
 TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"
 
@@ -56,6 +58,7 @@ RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
 
 
 @dataclass
+@resident
 class Model:
     """A transformers causal LM set up for minibatch: paged attention, eval mode, one device."""
 
@@ -96,13 +99,32 @@ class Model:
         # and build a [T, T] mask that paged_attention never reads. A mask that is already 4-D is
         # passed through as it is, so this one-element tensor stands in for it.
         self._mask_stand_in = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        if cuda:  # sibling projections' weights in one tensor each, for compiled steps (siblings.py); the
-            # values do not change, and packing now, before any CUDA graph is captured, keeps every
-            # graph pointing at weights that stay where they are
-            from ..runner import siblings
+        # packing now, before any CUDA graph is captured, keeps every graph pointing at weights that
+        # stay where they are
+        if self.pack_weights():
+            torch.cuda.empty_cache()  # (the weights' old blocks, free now)
 
-            if siblings.pack(self.hf):
-                torch.cuda.empty_cache()  # (the weights' old blocks, free now)
+    def pack_weights(self) -> int:
+        """On a GPU, sibling projections' weights in one tensor each, for compiled steps (siblings.py):
+        the values do not change. Again before each run (the engine), in case they moved since. ->
+        the groups stacked now (0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        from ..runner import siblings
+
+        return siblings.pack(self.hf)
+
+    def compiled_step(self, dynamic_rows: bool = False):
+        """This model's decode step through torch.compile (runner/compiled.py), for an engine's runs with
+        compile=True (`dynamic_rows`: compile="dynamic")."""
+        from ..runner.compiled import CompiledStep
+
+        return CompiledStep(self, dynamic_rows=dynamic_rows)
+
+    def weights_seen(self) -> tuple:
+        """Where every weight is and its version (bumped by any in-place write): a change means weights
+        were loaded into the model, or moved by `.to()` and back, since this was last read."""
+        return tuple((p.data_ptr(), tensor_version(p)) for p in self.hf.parameters())
 
     def make_cache(self, num_blocks: int, block_size: int, alloc=None) -> PagedKVCache:
         """A paged KV cache for this model; `alloc(shape, dtype)` gives its zeroed tensors (default: on

@@ -16,12 +16,14 @@ import torch
 from ..batching.batch import DYNAMIC_ROWS
 from ..batching.sampling import sample
 from ..compat import mark_dynamic, raise_recompile_limit
+from ..devices.base import resident
 
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)
 ROW_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "logits_indices", "temperature", "top_k",
               "top_p", "seed", "counter")
 
 
+@resident
 class CompiledStep:
     """The decode step (forward + sampling) through torch.compile, one per engine.
 

@@ -32,6 +32,7 @@ the capture.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,10 +40,14 @@ from ..batching.batch import build_batch, pad_flat
 from ..batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
 from ..batching.scheduler import BatchPlan
 from ..batching.slots import StepArgs
-from .compiled import CompiledStep
+from ..devices.base import resident
 from .launch import forward_step
 
+if TYPE_CHECKING:
+    from .compiled import CompiledStep
 
+
+@resident
 class StepRunner:
     """Builds a step's host batch and runs its device work: eagerly, or through CUDA graphs."""
 
