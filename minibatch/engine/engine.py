@@ -80,7 +80,7 @@ class Run:
     on_step: Callable | None
     in_flight: tuple | None = None  # async: (plan, slot) of the batch the device is running
     launched: int = 0  # async: steps launched so far (picks the slot)
-    listener: Callable | None = None  # serving.Loop.deliver: tokens to streams
+    applied: object | None = None  # the plan whose tokens the last step applied (a serving loop delivers them)
 
     @property
     def mode(self) -> str:  # which loop's step function advances it (STEPS)
@@ -95,8 +95,8 @@ class Run:
         return self.config.inject_delays
 
     def stepped(self, plan, done) -> None:
-        if self.listener is not None:
-            self.listener(plan, done)
+        """The step functions' last word: `plan`'s tokens are applied, `done` finished with them."""
+        self.applied = plan
         if self.on_step is not None:
             self.on_step(plan, done)
 
@@ -193,14 +193,10 @@ class Engine:
         with self._exclusive(), _progress(progress, len(requests), config.mode) as bar:
             try:
                 run = self._open(run_config, requests, timeline, on_step)
-                loop = Loop(self, run)  # the turns a serving thread runs, here in the caller's thread
-                try:
-                    while run.scheduler.has_work():
-                        finished = loop.turn()
-                        if bar is not None and finished:
-                            bar.update(finished)
-                finally:
-                    loop.detach()
+                while run.scheduler.has_work():
+                    finished = self.step()
+                    if bar is not None and finished:
+                        bar.update(len(finished))
                 self.finish()
             except BaseException:
                 self._abandon()
@@ -242,7 +238,6 @@ class Engine:
             finally:
                 loop, self.loop = self.loop, None
                 loop.close()
-                loop.detach()
                 if loop.error is None:
                     self.finish()
                 else:

@@ -1,15 +1,18 @@
 """The loop that serves requests arriving while it runs, in a thread of its own (notebook 08).
 
-Every caller goes through one loop. A turn of it:
+While serving, every caller goes through one loop. A turn of it:
 
     take what arrived ─▶ scheduler.add, and honour cancels     (under the lock, at a step boundary)
-    one step           ─▶ sync_step or async_step               (schedule → launch → wait → update)
-    deliver            ─▶ each request's new tokens to its TokenStream; stop strings end requests here
+    one step           ─▶ engine.step(): sync_step or async_step (schedule → launch → wait → update)
+    deliver            ─▶ the tokens that step applied (run.applied) to their TokenStreams; stop
+                          strings end requests here
 
-`Engine.serving()` runs turns in a background thread for as long as its `with` block lasts, so that
-`Engine.submit` can hand it requests from any thread at any moment; with nothing to do the thread
-sleeps on a condition (it never spins) and `submit` wakes it. An offline `generate` runs the same
-turns in the calling thread until its requests are done (so Ctrl-C lands where it always did).
+The loop calls the engine, never the reverse: a step leaves the plan whose tokens it applied in
+`run.applied`, and the loop reads it when the step returns. `Engine.serving()` runs turns in a
+background thread for as long as its `with` block lasts, so that `Engine.submit` can hand it
+requests from any thread at any moment; with nothing to do the thread sleeps on a condition (it
+never spins) and `submit` wakes it. An offline `generate` needs none of this: it steps the engine in
+the calling thread until its requests are done (so Ctrl-C lands where it always did).
 
 What overlap changes online: the async loop plans step N+1 before step N's tokens are back, so a
 request that arrives now joins at the next planning, one step in flight later; and a request that
@@ -47,7 +50,6 @@ class Loop:
         self._cpu_s = 0.0  # CPU seconds of the background thread as of its last turn (see cpu_s)
         self._clock: int | None = None  # that thread's CPU clock, where the OS lends one
         self.rids = itertools.count()
-        run.listener = self.deliver
 
     # --- callers (any thread) ---------------------------------------------------------------------
     def submit(self, request: Request, stream: TokenStream, tokenizer) -> TokenStream:
@@ -75,11 +77,14 @@ class Loop:
 
     # --- the loop (one thread) --------------------------------------------------------------------
     def turn(self) -> int:
-        """Take what arrived, run one step if there is work, deliver its tokens (deliver runs inside).
-        Returns how many requests finished."""
+        """Take what arrived, run one step if there is work, deliver the tokens it applied. Returns how
+        many requests finished."""
         self._take_arrivals()
         if self.run.scheduler.has_work():
             self.engine.step()
+            applied, self.run.applied = self.run.applied, None
+            if applied is not None:  # (an async loop's first step launches, and applies nothing yet)
+                self.deliver(applied)
         finished = self.run.scheduler.finished
         n = len(finished)
         finished.clear()  # the streams and the callers hold what they need
@@ -100,9 +105,9 @@ class Loop:
             if scheduler.finish(request, "cancelled"):
                 self._end(request, stream, Chunk([], "", "cancelled"))
 
-    def deliver(self, plan, done) -> None:
-        """After an update: each online request's new tokens to its stream (called by the step); the
-        event loops reading them are woken once, at the end (stream.Wakeups)."""
+    def deliver(self, plan) -> None:
+        """After a step: each online request's new tokens from `plan` to its stream; the event loops
+        reading them are woken once, at the end (stream.Wakeups)."""
         wakeups = Wakeups()
         try:
             self._deliver(plan, wakeups)
@@ -185,12 +190,6 @@ class Loop:
             else:
                 stream.put(Chunk([], "", "cancelled"), now)
         self.streams.clear()
-
-    def detach(self) -> None:
-        """Let go of the run: it holds the step runner's CUDA graphs, which must be freed when the engine
-        drops them, not whenever the garbage collector meets a reference cycle (a graph freed in the
-        middle of another graph's capture invalidates that capture)."""
-        self.run.listener = None
 
     def close(self) -> None:
         """Stop the thread (the step in flight completes first) and end every open stream."""
