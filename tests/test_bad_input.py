@@ -32,7 +32,7 @@ def no_device_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("device work started before the arguments were checked")
 
-    monkeypatch.setattr(engine, "get_device", refuse)
+    monkeypatch.setattr(engine, "open_device", refuse)
     monkeypatch.setattr(Model, "make_cache", refuse)
     # the same free memory on every machine, so the memory cases do not depend on where the tests run
     monkeypatch.setattr(memory, "available_bytes", lambda device: (8 * GB, 8 * GB))
@@ -142,7 +142,7 @@ def test_lone_surrogate_in_a_string_prompt(tiny, no_device_work):
 
 def test_sizes_beyond_any_machine_are_refused_on_this_one(random_llama, monkeypatch):
     """No patched memory figure: 8 TB of KV cache fits nowhere, and is refused before allocating."""
-    monkeypatch.setattr(engine, "get_device", lambda *a, **k: pytest.fail("device opened"))
+    monkeypatch.setattr(engine, "open_device", lambda *a, **k: pytest.fail("device opened"))
     t = time.perf_counter()
     with pytest.raises(ValueError, match=r"needs about \d+\.\d GB .*KV cache .*num_blocks=1000000000"):
         minibatch.generate(random_llama, [[1, 2, 3]], max_new_tokens=4, num_blocks=10**9)

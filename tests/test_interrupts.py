@@ -36,7 +36,7 @@ def work():
 @pytest.fixture(params=["cpu", "cpu-threads"])
 def backend(request, monkeypatch):
     if request.param == "cpu-threads":  # the engine opens the model's device; give it the thread one
-        monkeypatch.setattr(engine, "get_device", lambda kind, **kw: get_device("cpu-threads"))
+        monkeypatch.setattr(engine, "open_device", lambda kind, **kw: get_device("cpu-threads"))
     return request.param
 
 
@@ -141,7 +141,7 @@ from minibatch.engine import engine
 from minibatch.devices import get_device
 m = minibatch.load_model("tiny")
 for kind in ("cpu-threads", "cpu"):  # interrupt a run on each backend mid-step, then exit
-    engine.get_device = lambda k, kind=kind, **kw: get_device(kind)
+    engine.open_device = lambda k, kind=kind, **kw: get_device(kind)
     threading.Timer(0.3, _thread.interrupt_main).start()
     try:
         minibatch.generate(m, [[1] * 300] * 8, max_new_tokens=200, max_batch_tokens=2048, mode="async")

@@ -55,7 +55,7 @@ import torch
 from .cpu import CpuDevice
 from .cuda import CudaDevice
 from .threads import ThreadDevice
-from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream, use_opener
 
 BACKENDS = ("cpu", "cpu-threads", "cuda")
 CPU_DEVICE_VAR = "MINIBATCH_CPU_DEVICE"  # "cpu-threads": every "cpu" device opens as threads
@@ -108,6 +108,9 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
             raise DeviceError(f"device {name!r} asked for, but this PyTorch build sees no CUDA GPU; use 'cpu'")
         return CudaDevice(torch.device(name), timeline, **options)
     raise ValueError(f"unknown device {kind!r}: use 'cpu', 'cpu-threads' or 'cuda'")
+
+
+use_opener(get_device)  # what base.open_device (the engine's way in) calls
 
 
 def _cpu_backend() -> str:

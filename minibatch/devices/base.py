@@ -36,6 +36,24 @@ def resident_types() -> tuple[type, ...]:
     return _RESIDENT
 
 
+_OPENER = None  # opens a device by name: set by the backends' front door (devices/__init__.py)
+
+
+def use_opener(opener) -> None:
+    """Install the function `open_device` calls: `opener(kind, timeline, inherit, **options) -> Device`.
+    The backends' front door (devices/__init__.py, its get_device) installs itself as it is imported, so
+    the engine opens a device without importing any backend."""
+    global _OPENER
+    _OPENER = opener
+
+
+def open_device(kind: str, timeline=None, inherit=(), **options) -> "Device":
+    """A device of `kind` ("cpu", "cpu-threads", "cuda", "cuda:N") from the installed backends."""
+    if _OPENER is None:
+        raise DeviceError("no device backend is installed: import minibatch.devices (importing minibatch does)")
+    return _OPENER(kind, timeline, inherit, **options)
+
+
 class DeviceError(RuntimeError):
     """Work on the device failed, or the device was used wrongly; raised in the host."""
 

@@ -40,9 +40,7 @@ import torch
 from ..batching.requests import Request, SamplingParams
 from ..batching.scheduler import Scheduler
 from ..batching.slots import IOSlot
-from ..devices import get_device
-from ..devices.base import DeviceError, deferred_interrupts
-from ..model.model import Model
+from ..devices.base import DeviceError, deferred_interrupts, open_device
 from ..runner.graphs import StepRunner
 from ..timeline import Timeline
 from .async_loop import async_step
@@ -55,6 +53,9 @@ from .sync_loop import sync_step
 SERVING_TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
 
 STEPS = {"sync": sync_step, "async": async_step}
+# what the engine asks of a model (minibatch.model.Model has it all): a model is plugged in, not imported
+MODEL_NEEDS = ("device", "vocab_size", "tokenizer", "max_positions", "make_cache", "next_tokens", "compiled_step",
+               "pack_weights", "weights_seen")
 
 
 @dataclass
@@ -104,8 +105,8 @@ class Run:
 class Engine:
     """One model's inference engine. Use it in a `with` block, or call `close()`."""
 
-    def __init__(self, model: Model, keep: int = 4) -> None:
-        if not isinstance(model, Model):
+    def __init__(self, model, keep: int = 4) -> None:
+        if not all(hasattr(model, name) for name in MODEL_NEEDS):
             raise TypeError(f"model must come from minibatch.load_model, got {type(model).__name__}")
         self.model, self.keep = model, keep
         self.dev = None  # opened on first use, kept until close()
@@ -298,7 +299,7 @@ class Engine:
     def _device(self):
         if self.dev is None:
             with deferred_interrupts():  # an interrupt must not orphan the device between opening and keeping it
-                self.dev = get_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
+                self.dev = open_device(str(self.model.device), inherit=(self.model,))  # the weights stay where they are
         return self.dev
 
     def _resources(self, shape: Shape) -> Resources:
@@ -418,7 +419,7 @@ def _made(cls, given, options: dict, where: str):
     return (given or cls()).replace(**options)
 
 
-def generate(model: Model | Engine, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:
+def generate(model, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:
     """Continue every prompt with `model` (from load_model) or an Engine; see `Engine.generate` (options:
     SamplingParams' and EngineConfig's fields, e.g. max_new_tokens, temperature, mode="sync" | "async",
     and timeline, on_step, progress, arrival_steps). Given a model, an engine is built for this call
