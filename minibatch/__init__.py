@@ -11,14 +11,16 @@
     config = minibatch.EngineConfig(mode="async", max_batch_size=8)         # per run
     outs = minibatch.generate(model, ["The for statement"], params, config=config)
 
-See README.md for the notebook map; each module's docstring says which notebook explains it.
+The teaching core is minibatch/core (its docstring is the map: module -> notebook); devices/, model/,
+speed/, serving/ and tools/ plug into it. See README.md for the notebook map.
 """
 
-from .batching.requests import SamplingParams
-from .engine.config import EngineConfig
-from .engine.engine import Engine, generate
+from . import devices  # noqa: F401  (the backends install their opener: core.device.open_device)
+from .core.config import EngineConfig
+from .core.engine import Engine, generate
+from .core.requests import SamplingParams
+from .core.timeline import Timeline
 from .model.model import Model, load_model
-from .timeline import Timeline
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "generate", "load_model", "Model", "SamplingParams", "Timeline", "__version__"]

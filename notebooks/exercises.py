@@ -53,9 +53,9 @@ def check_01(ragged_layout) -> None:
     """ragged_layout(plan) -> (positions, logits_indices) of the flat batch, as lists."""
     if _not_yet(ragged_layout, "ragged_layout"):
         return
-    from minibatch.batching.batch import build_batch
-    from minibatch.batching.requests import Request, SamplingParams
-    from minibatch.batching.scheduler import Scheduler
+    from minibatch.core.batch import build_batch
+    from minibatch.core.requests import Request, SamplingParams
+    from minibatch.core.scheduler import Scheduler
 
     cache = _tiny().make_cache(num_blocks=32, block_size=4)
     sched = Scheduler(cache.allocator, max_batch_tokens=8, max_batch_size=3)
@@ -102,7 +102,7 @@ def check_05(scatter_carry_over) -> None:
         return
     import torch
 
-    from minibatch.batching.carry_over import apply_carry_over
+    from minibatch.core.carry_over import apply_carry_over
 
     g = torch.Generator().manual_seed(5)
     cases = [([0, 5, 6, 0], [17, 42, 99], [3, -1, 0]), ([0], [7], [0]), ([1, 2, 3], [9, 9], [-1, -1]),
@@ -143,7 +143,7 @@ def check_06(compute_gaps) -> None:
     """compute_gaps(tl) -> for each step N >= 1, idle seconds between compute N-1's end and compute N's start."""
     if _not_yet(compute_gaps, "compute_gaps"):
         return
-    from minibatch.timeline import Timeline
+    from minibatch.core.timeline import Timeline
 
     tl = Timeline()
     # steps 0..4 on the compute lane, added out of order, with other lanes and names around them
@@ -168,8 +168,8 @@ def check_04(count_graphs) -> None:
     """count_graphs(steps, kv_bucket) -> how many CUDA graphs decode steps (rows, longest_context) capture."""
     if _not_yet(count_graphs, "count_graphs"):
         return
-    from minibatch.batching.buckets import bucket
-    from minibatch.batching.buckets import ROW_BUCKETS
+    from minibatch.core.buckets import bucket
+    from minibatch.core.buckets import ROW_BUCKETS
 
     def want(steps, kb):
         return len({(n % 2, bucket(rows, ROW_BUCKETS), -(-(ctx + 1) // kb) * kb) for n, (rows, ctx) in enumerate(steps)})
@@ -193,7 +193,7 @@ def check_02(max_concurrency) -> None:
     if _not_yet(max_concurrency, "max_concurrency"):
         return
     from minibatch.devices import get_device
-    from minibatch.timeline import Timeline
+    from minibatch.core.timeline import Timeline
 
     cases = [  # (spans as (lane, start, end), expected); not sorted on purpose
         ([("A", 0.0, 1.0)], 1),

@@ -28,7 +28,7 @@ import torch
 
 import minibatch
 from minibatch.tools import bench
-from minibatch.engine import engine
+from minibatch.core import engine
 from minibatch.devices import get_device
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",

@@ -42,15 +42,18 @@ BLOCK_SIZE = 16  # generate's default block size
 
 
 def _module(pkg: str, name: str):
-    """A module of `pkg` by its name in the layered package (batching/), or in a flat one (an older checkout:
-    the buckets then live in its step module, `bucket` in its batch module)."""
-    try:
-        return importlib.import_module(f"{pkg}.batching.{name}")
-    except ModuleNotFoundError:
-        if name != "buckets":
-            return importlib.import_module(f"{pkg}.{name}")
-        step, batch = importlib.import_module(f"{pkg}.step"), importlib.import_module(f"{pkg}.batch")
-        return type("buckets", (), {"ROW_BUCKETS": step.ROW_BUCKETS, "bucket": staticmethod(batch.bucket)})
+    """A module of `pkg` by its name in its core (core/), in an older checkout's layered package
+    (batching/), or in a flat one (older still: the buckets then live in its step module, `bucket` in
+    its batch module)."""
+    for folder in ("core", "batching"):
+        try:
+            return importlib.import_module(f"{pkg}.{folder}.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name != "buckets":
+        return importlib.import_module(f"{pkg}.{name}")
+    step, batch = importlib.import_module(f"{pkg}.step"), importlib.import_module(f"{pkg}.batch")
+    return type("buckets", (), {"ROW_BUCKETS": step.ROW_BUCKETS, "bucket": staticmethod(batch.bucket)})
 
 
 def _request(R, rid: int, prompt: list[int], new_tokens: int, temperature: float):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minibatch.timeline import Timeline  # noqa: E402
+from minibatch.core.timeline import Timeline  # noqa: E402
 
 
 def rows(timeline: Timeline, quiet: float) -> list[dict]:

@@ -169,7 +169,7 @@ def serving_compile() -> dict:
 def serving_gc() -> dict:
     """Full garbage collections: in the 8B server's timeline (H200, unfrozen heap), and one collection's
     time before and after gc.freeze on the CPU (tiny model loaded)."""
-    from minibatch.timeline import Timeline
+    from minibatch.core.timeline import Timeline
 
     spans = Timeline.load(DATA / "runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz").spans
     pauses = [1000 * s.duration for s in spans if s.name == "gc" and s.start > 60]  # after ready

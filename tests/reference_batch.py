@@ -1,4 +1,4 @@
-"""The straightforward batch builder, kept as the reference the fast one (minibatch.batching.batch) must match.
+"""The straightforward batch builder, kept as the reference the fast one (minibatch.core.batch) must match.
 
 Per-token Python lists and a padded block-table tensor: easy to read, slow at large batches.
 """
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.batching.batch import Batch, input_token
-from minibatch.batching.buckets import bucket
-from minibatch.batching.kv_cache import PagedKVCache
-from minibatch.batching.scheduler import BatchPlan
+from minibatch.core.batch import Batch, input_token
+from minibatch.core.buckets import bucket
+from minibatch.core.kv_cache import PagedKVCache
+from minibatch.core.scheduler import BatchPlan
 
 
 def request_cells(cache: PagedKVCache, block_table: list[int], start: int, end: int) -> list[int]:
@@ -20,7 +20,7 @@ def request_cells(cache: PagedKVCache, block_table: list[int], start: int, end: 
 
 def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode_layout: bool = False,
                 row_buckets: tuple[int, ...] = (), decode_bucket: int | None = None) -> Batch:
-    """The batch minibatch.batching.batch.build_batch must build (same arguments, same meaning)."""
+    """The batch minibatch.core.batch.build_batch must build (same arguments, same meaning)."""
     ids, pos, qseq, cells, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
     for i, c in enumerate(plan.chunks):

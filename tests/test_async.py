@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minibatch
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 VOCAB = 512
 

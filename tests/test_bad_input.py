@@ -20,8 +20,8 @@ import torch
 import transformers
 
 import minibatch
-from minibatch.engine import engine
-from minibatch.engine import memory
+from minibatch.core import engine
+from minibatch.core import memory
 from minibatch.model.model import Model
 
 GB = 10**9
@@ -152,7 +152,7 @@ def test_sizes_beyond_any_machine_are_refused_on_this_one(random_llama, monkeypa
 def test_memory_estimate_matches_what_is_allocated(random_llama):
     """The KV term is the cache a run builds, byte for byte; the IO term bounds an IO slot's buffers closely."""
     from minibatch.devices import get_device
-    from minibatch.batching.slots import IOSlot
+    from minibatch.core.slots import IOSlot
 
     est = memory.estimate_bytes(random_llama, 7, 32, 128, 8, 16, num_slots=1)
     assert est["kv"] == random_llama.make_cache(7, 16).nbytes

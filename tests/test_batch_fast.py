@@ -5,11 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_batch import reference_build_batch
 
-from minibatch.batching.batch import TENSOR_FIELDS, build_batch
-from minibatch.batching.buckets import ROW_BUCKETS
-from minibatch.batching.kv_cache import PagedKVCache
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
+from minibatch.core.batch import TENSOR_FIELDS, build_batch
+from minibatch.core.buckets import ROW_BUCKETS
+from minibatch.core.kv_cache import PagedKVCache
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
 
 VOCAB = 50
 
@@ -92,7 +92,7 @@ def test_slots_loaded_by_what_changed_hold_the_whole_batch(w):
     """Two IO slots loaded in turn, as the async loop does (decode batches copy only the key cells that
     changed since the slot's last load): after every load the slot's host buffers equal the batch."""
     from minibatch.devices import get_device
-    from minibatch.batching.slots import IOSlot
+    from minibatch.core.slots import IOSlot
 
     bs = w["block_size"]
     reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], SamplingParams(max_new_tokens=w["max_new"][i], eos_token_id=w["eos"]))

@@ -1,4 +1,4 @@
-"""Each private PyTorch/CPython hook in minibatch/compat.py, exercised on the installed versions: a
+"""Each private PyTorch/CPython hook in minibatch/core/compat.py, exercised on the installed versions: a
 hook that stops doing what the package relies on fails here, by name."""
 
 import gc
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minibatch import compat
+from minibatch.core import compat
 
 
 def test_tensor_version_counts_in_place_writes():

@@ -1,4 +1,4 @@
-"""A compiled decode step with a dynamic row count (runner/compiled.py, `compile="dynamic"`): one compile
+"""A compiled decode step with a dynamic row count (speed/compiled.py, `compile="dynamic"`): one compile
 serves every batch size, with the tokens of the eager step. On the CPU here, through Inductor and the
 sibling-merging backend a GPU uses; tests/test_gpu.py runs it in an engine on a GPU."""
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.batching.batch import DYNAMIC_ROWS, build_batch
-from minibatch.batching.buckets import ROW_BUCKETS
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
-from minibatch.runner import siblings
-from minibatch.runner.compiled import ROW_FIELDS, CompiledStep
+from minibatch.core.batch import DYNAMIC_ROWS, build_batch
+from minibatch.core.buckets import ROW_BUCKETS
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.speed import siblings
+from minibatch.speed.compiled import ROW_FIELDS, CompiledStep
 
 pytestmark = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
                                 reason="Inductor compiles C++ on a CPU")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minibatch.devices import DeviceError, DeviceTimeoutError, get_device
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 X = 0.3  # seconds: an injected delay, long against thread wake-ups and kernel launches
 T = 10.0  # timeout for waits that should succeed

@@ -12,10 +12,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import minibatch
 from minibatch.model.attention import ATTN_NAME, PagedMeta
-from minibatch.batching.batch import build_batch, pad_flat
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
-from minibatch.batching.buckets import ROW_BUCKETS
+from minibatch.core.batch import build_batch, pad_flat
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.core.buckets import ROW_BUCKETS
 
 WORK = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18]]
 KW = dict(max_new_tokens=6, max_batch_tokens=8, max_batch_size=4, block_size=4)

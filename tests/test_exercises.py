@@ -128,14 +128,14 @@ def pipeline_events_and_extra_waits(dev, host_in, fn):  # events, but the host a
 
 
 def graphs_one_per_shape(steps, kv_bucket):  # forgets that each slot needs its own graphs
-    from minibatch.batching.buckets import bucket
-    from minibatch.batching.buckets import ROW_BUCKETS
+    from minibatch.core.buckets import bucket
+    from minibatch.core.buckets import ROW_BUCKETS
     return len({(bucket(r, ROW_BUCKETS), -(-(c + 1) // kv_bucket) * kv_bucket) for r, c in steps})
 
 
 def graphs_without_the_new_token(steps, kv_bucket):
-    from minibatch.batching.buckets import bucket
-    from minibatch.batching.buckets import ROW_BUCKETS
+    from minibatch.core.buckets import bucket
+    from minibatch.core.buckets import ROW_BUCKETS
     return len({(n % 2, bucket(r, ROW_BUCKETS), -(-c // kv_bucket) * kv_bucket) for n, (r, c) in enumerate(steps)})
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.buckets import KEY_BUCKETS, TOKEN_BUCKETS
-from minibatch.runner.compiled import CompiledStep
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.buckets import KEY_BUCKETS, TOKEN_BUCKETS
+from minibatch.speed.compiled import CompiledStep
 from minibatch.tools.floors import pool_memory
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 pytestmark = pytest.mark.cuda
 
@@ -143,7 +143,7 @@ def test_a_dynamic_rows_compile_serves_every_batch_size_once():
 def test_a_dynamic_rows_compile_samples_with_top_k_and_top_p_at_a_real_vocabulary_size():
     """With a symbolic row count, torch 2.11's Inductor could not generate the top-k/top-p sampler's
     kernels for a 128256-entry vocabulary (its cumulative sum is a split scan), and a server's warm-up
-    failed on it: the forward is compiled apart and such batches sample eagerly (runner/compiled.py).
+    failed on it: the forward is compiled apart and such batches sample eagerly (speed/compiled.py).
     Every sampling variant, in one engine, as a server's warm-up submits them; sync and async agree."""
     import transformers
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.engine import engine
+from minibatch.core import engine
 from minibatch.devices import get_device
 
 KW = dict(max_new_tokens=6, max_batch_tokens=16, max_batch_size=4)
@@ -137,7 +137,7 @@ def test_many_runs_leave_nothing_behind(random_llama):
 def test_the_process_exits_normally_after_an_interrupted_forward_pass():
     code = """
 import _thread, threading, minibatch
-from minibatch.engine import engine
+from minibatch.core import engine
 from minibatch.devices import get_device
 m = minibatch.load_model("tiny")
 for kind in ("cpu-threads", "cpu"):  # interrupt a run on each backend mid-step, then exit

@@ -10,9 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "minibatch"
-# bottom to top; a module at the package's top level that is not listed here is a failure below
-LAYERS = ["base", "devices", "batching", "runner", "model", "engine", "serving", "tools"]
-BASE = {"timeline", "args", "compat"}  # top-level modules every layer may use
+# bottom to top: the core, then what plugs into it; a module at the package's top level other than its
+# front doors is a failure below
+LAYERS = ["core", "devices", "speed", "model", "serving", "tools"]
 ENTRY = {"__init__", "__main__"}  # the package's front doors: they may import any layer
 
 
@@ -25,8 +25,6 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None  # minibatch itself
-    if len(parts) == 2 and parts[1] in BASE:
-        return "base"
     if len(parts) == 2 and parts[1] in ENTRY:
         return None
     return parts[1] if parts[1] in LAYERS else "unknown"
@@ -75,7 +73,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_every_module_sits_in_a_layer():
     unknown = [m for m in graph() if layer_of(m) == "unknown"]
-    assert not unknown, f"modules outside the layers {LAYERS} (or the base modules {sorted(BASE)}): {unknown}"
+    assert not unknown, f"modules outside the layers {LAYERS}: {unknown}"
 
 
 def test_no_import_runs_up_the_layers():
@@ -93,10 +91,17 @@ def test_no_import_runs_up_the_layers():
     assert not bad, "imports that run up the layers:\n" + "\n".join(bad)
 
 
+def test_the_core_imports_nothing_else_of_the_package():
+    """The core a reader holds in their head: everything else plugs into it, never the reverse."""
+    for mod, targets in graph().items():
+        if layer_of(mod) == "core":
+            assert all(layer_of(t) == "core" for t in targets), (mod, targets)
+
+
 def test_the_devices_import_nothing_above_them():
     for mod, targets in graph().items():
         if layer_of(mod) == "devices":
-            assert all(layer_of(t) in ("base", "devices") for t in targets), (mod, targets)
+            assert all(layer_of(t) in ("core", "devices") for t in targets), (mod, targets)
 
 
 def test_no_import_cycle():
@@ -126,9 +131,9 @@ def test_no_import_cycle():
 def test_the_layer_test_sees_a_violation(tmp_path):
     """The checks above would pass on a package with no imports at all: make sure they read imports."""
     edges = graph()
-    assert "minibatch.devices.base" in edges["minibatch.devices.cpu"]
-    assert "minibatch.runner.launch" in edges["minibatch.engine.sync_loop"]
-    assert any(t.startswith("minibatch.batching") for t in edges["minibatch.runner.graphs"])
+    assert "minibatch.core.device" in edges["minibatch.devices.cpu"]
+    assert "minibatch.core.launch" in edges["minibatch.core.sync_loop"]
+    assert any(t.startswith("minibatch.core") for t in edges["minibatch.core.graphs"])
 
 
 def test_functions_are_short():

@@ -74,7 +74,7 @@ FORK = """
 import os, sys
 import minibatch
 from minibatch.devices import DeviceError
-from minibatch.engine.engine import Engine
+from minibatch.core.engine import Engine
 model = minibatch.load_model("tiny")
 engine = Engine(model)
 prompts = [[5, 6, 7, 8], [9, 10]]

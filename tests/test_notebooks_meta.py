@@ -15,25 +15,25 @@ from build_notebooks import parse  # noqa: E402
 # the first chapter that introduces each module, by its import path (README's notebook map says the same);
 # a package's own name stands for what its __init__ exports
 CHAPTER = {
-    "minibatch": 0, "minibatch.args": 0,
+    "minibatch": 0, "minibatch.core.args": 0,
     "minibatch.model": 0, "minibatch.model.model": 0, "minibatch.model.tokenizer": 0, "minibatch.model.attention": 0,
     "minibatch.model.checks": 0,
-    "minibatch.engine": 0, "minibatch.engine.engine": 0, "minibatch.engine.checks": 0, "minibatch.engine.memory": 0,
-    "minibatch.batching": 1, "minibatch.batching.requests": 1, "minibatch.batching.kv_cache": 1,
-    "minibatch.batching.scheduler": 1, "minibatch.batching.batch": 1, "minibatch.batching.decode_keys": 1,
-    "minibatch.batching.sampling": 1, "minibatch.engine.sync_loop": 1, "minibatch.timeline": 1,
-    "minibatch.devices": 2, "minibatch.devices.base": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_process": 2,
+    "minibatch.core": 0, "minibatch.core.engine": 0, "minibatch.core.checks": 0, "minibatch.core.memory": 0,
+    "minibatch.core.requests": 1, "minibatch.core.kv_cache": 1,
+    "minibatch.core.scheduler": 1, "minibatch.core.batch": 1, "minibatch.core.decode_keys": 1,
+    "minibatch.core.sampling": 1, "minibatch.core.sync_loop": 1, "minibatch.core.timeline": 1,
+    "minibatch.devices": 2, "minibatch.core.device": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_process": 2,
     "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2,
-    "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.devices.limits": 2,
-    "minibatch.batching.slots": 4, "minibatch.batching.buckets": 4, "minibatch.runner": 4, "minibatch.runner.launch": 4,
-    "minibatch.runner.graphs": 4, "minibatch.runner.compiled": 4,
-    "minibatch.batching.carry_over": 5,
-    "minibatch.engine.async_loop": 6,
+    "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.core.limits": 2,
+    "minibatch.core.slots": 4, "minibatch.core.buckets": 4, "minibatch.core.launch": 4,
+    "minibatch.core.graphs": 4, "minibatch.speed": 7, "minibatch.speed.compiled": 7,
+    "minibatch.core.carry_over": 5,
+    "minibatch.core.async_loop": 6,
     "minibatch.tools": 7, "minibatch.tools.bench": 7, "minibatch.tools.floors": 7, "minibatch.tools.cli": 7,
     "minibatch.tools.cli_args": 7, "minibatch.tools.cli_serving": 8,
-    "minibatch.model.triton_decode": 7, "minibatch.runner.siblings": 7,
-    "minibatch.compat": 7, "minibatch.engine.config": 0,
-    "minibatch.engine.serving": 8, "minibatch.engine.stream": 8, "minibatch.tools.online": 8,
+    "minibatch.model.triton_decode": 7, "minibatch.speed.siblings": 7,
+    "minibatch.core.compat": 7, "minibatch.core.config": 0,
+    "minibatch.core.serving_loop": 8, "minibatch.core.stream": 8, "minibatch.tools.online": 8,
     "minibatch.serving": 8, "minibatch.serving.server": 8, "minibatch.serving.protocol": 8,
     "minibatch.serving.bench_serve": 8, "minibatch.serving.bench_report": 8,
 }
@@ -81,10 +81,10 @@ def imported(source: str) -> list[str]:
 
 
 def test_imports_are_read_with_ast():
-    cell = "import minibatch.devices.cpu\nfrom minibatch.batching import scheduler\nfrom minibatch.tools.bench import run_mode\n" \
-           "def f():\n    from minibatch.runner import siblings\n# from minibatch.serving import x\nimport torch"
-    assert imported(cell) == ["minibatch.devices.cpu", "minibatch.batching.scheduler", "minibatch.tools.bench",
-                              "minibatch.runner.siblings"]
+    cell = "import minibatch.devices.cpu\nfrom minibatch.core import scheduler\nfrom minibatch.tools.bench import run_mode\n" \
+           "def f():\n    from minibatch.speed import siblings\n# from minibatch.serving import x\nimport torch"
+    assert imported(cell) == ["minibatch.devices.cpu", "minibatch.core.scheduler", "minibatch.tools.bench",
+                              "minibatch.speed.siblings"]
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)

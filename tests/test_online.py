@@ -1,5 +1,5 @@
 """Serving: requests submitted while the loop runs give the tokens they give alone, and nothing past
-their end ever reaches a stream (notebook 08; minibatch/engine/serving.py, stream.py)."""
+their end ever reaches a stream (notebook 08; minibatch/core/serving_loop.py, stream.py)."""
 
 import asyncio
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 
 import minibatch
-from minibatch.engine.serving import QueueFull
+from minibatch.core.serving_loop import QueueFull
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
            "Assignment statements", "A string literal", "def f(x):", "Lists are"]
@@ -369,9 +369,9 @@ def test_online_equals_offline_on_the_gpu(mode):
 
 
 def test_an_update_wakes_each_event_loop_once():
-    """Loop.deliver gathers the wake-ups of every stream a step fed (stream.Wakeups): an asyncio reader
+    """ServingLoop.deliver gathers the wake-ups of every stream a step fed (stream.Wakeups): an asyncio reader
     costs the engine's thread one call_soon_threadsafe per event loop and update, not one per stream."""
-    from minibatch.engine.stream import Chunk, TokenStream, Wakeups
+    from minibatch.core.stream import Chunk, TokenStream, Wakeups
 
     loop = asyncio.new_event_loop()
     calls = []
@@ -410,7 +410,7 @@ def test_an_update_wakes_each_event_loop_once():
 
 
 def test_the_loop_cpu_seconds_count_a_turn_in_progress_and_never_go_back(tiny):
-    """stats()["loop_cpu_s"] (Loop.cpu_s) reads the loop thread's own CPU clock (serving.Loop.cpu_s): while a turn
+    """stats()["loop_cpu_s"] (ServingLoop.cpu_s) reads the loop thread's own CPU clock: while a turn
     runs it counts that turn, and after the thread has ended it keeps the whole, never a smaller value."""
     engine = minibatch.Engine(tiny)
     with engine.serving(mode="async"):

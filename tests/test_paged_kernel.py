@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 
 import minibatch  # noqa: E402
 from minibatch.model import triton_decode  # noqa: E402
-from minibatch.batching.batch import build_batch  # noqa: E402
-from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
+from minibatch.core.batch import build_batch  # noqa: E402
+from minibatch.core.buckets import ROW_BUCKETS  # noqa: E402
 from minibatch.model.attention import PagedMeta, _decode_attention  # noqa: E402
-from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
-from minibatch.batching.scheduler import Scheduler  # noqa: E402
+from minibatch.core.requests import Request, SamplingParams  # noqa: E402
+from minibatch.core.scheduler import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
@@ -38,7 +38,7 @@ def work():
 def _decode_batch(ctx_lens, block_size=4, bucket=8):
     torch.manual_seed(0)
     kv_heads, dim = 2, 16
-    from minibatch.batching.kv_cache import PagedKVCache
+    from minibatch.core.kv_cache import PagedKVCache
     cache = PagedKVCache(1, kv_heads, dim, 256, block_size, device=DEVICE, dtype=torch.float32)
     sched = Scheduler(cache.allocator, 512, 8)
     for i, n in enumerate(ctx_lens):

@@ -66,8 +66,8 @@ def test_every_module_file_named_exists():
 def test_the_check_finds_a_dangling_path(tmp_path):
     assert exists("scripts/gpu/floor_matrix.py") and exists("figures/data/gpu_bench_{eager,graphs}_llama3-8b-shape_b32_256.json")
     assert not exists("scripts/gpu/final2.sh") and not exists("figures/data/gpu_bench_{eager,nothing}_x.json")
-    assert PATH.findall("see `scripts/gpu/final2.sh`, and minibatch/batching/batch.py.") == [
-        "scripts/gpu/final2.sh", "minibatch/batching/batch.py"]
+    assert PATH.findall("see `scripts/gpu/final2.sh`, and minibatch/core/batch.py.") == [
+        "scripts/gpu/final2.sh", "minibatch/core/batch.py"]
 
 
 def test_every_recorded_run_folder_says_how_it_was_made():

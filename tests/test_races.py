@@ -45,9 +45,9 @@ def test_decode_layout_gives_the_same_tokens(random_llama, work, monkeypatch, at
 
 
 def test_padded_rows_give_the_same_tokens(random_llama, work, monkeypatch):
-    from minibatch.batching.batch import build_batch
-    from minibatch.batching.buckets import ROW_BUCKETS
-    from minibatch.runner.graphs import StepRunner
+    from minibatch.core.batch import build_batch
+    from minibatch.core.buckets import ROW_BUCKETS
+    from minibatch.core.graphs import StepRunner
 
     def padded(self, plan):  # the CUDA-graph layout (rows padded to a bucket), forced on the CPU
         return build_batch(plan, self.cache, 8, True, ROW_BUCKETS)

@@ -3,7 +3,7 @@
 import torch
 
 import minibatch
-from minibatch.batching.sampling import sample, uniform_noise
+from minibatch.core.sampling import sample, uniform_noise
 
 
 def _params(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, counter=None):
@@ -79,9 +79,9 @@ def test_all_greedy_fast_path_matches_the_full_sampler(random_llama):
     """A batch whose rows are all greedy skips the sort; it must pick what the full sampler picks."""
     import dataclasses
 
-    from minibatch.batching.batch import build_batch
-    from minibatch.batching.requests import Request, SamplingParams
-    from minibatch.batching.scheduler import Scheduler
+    from minibatch.core.batch import build_batch
+    from minibatch.core.requests import Request, SamplingParams
+    from minibatch.core.scheduler import Scheduler
 
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)
@@ -112,9 +112,9 @@ def test_the_unsorted_path_picks_what_the_sorted_one_picks():
 def test_the_host_marks_batches_without_top_k_or_top_p(random_llama):
     import dataclasses
 
-    from minibatch.batching.batch import build_batch
-    from minibatch.batching.requests import Request, SamplingParams
-    from minibatch.batching.scheduler import Scheduler
+    from minibatch.core.batch import build_batch
+    from minibatch.core.requests import Request, SamplingParams
+    from minibatch.core.scheduler import Scheduler
 
     cache = random_llama.make_cache(32, 4)
     sched = Scheduler(cache.allocator, 64, 8)
@@ -150,7 +150,7 @@ def test_seeds_equal_modulo_2_32_give_different_noise():
 
 def test_seeds_below_2_32_keep_their_stream():
     # the stream of a seed < 2**32, as the hash of the low 32 bits alone gives it (stored outputs stay valid)
-    from minibatch.batching.sampling import _M32, _mix32
+    from minibatch.core.sampling import _M32, _mix32
     seed, counter = torch.tensor([0, 5, 2**32 - 1]), torch.tensor([0, 3, 9])
     key = _mix32(_mix32(seed & _M32) ^ ((counter * 0x2545F491) & _M32))
     v = torch.arange(32)

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minibatch.batching.batch import build_batch
-from minibatch.batching.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
-from minibatch.batching.requests import Request, RequestState, SamplingParams
-from minibatch.batching.scheduler import Scheduler
+from minibatch.core.batch import build_batch
+from minibatch.core.kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
+from minibatch.core.requests import Request, RequestState, SamplingParams
+from minibatch.core.scheduler import Scheduler
 
 VOCAB = 50
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.compat import LINEAR_TARGETS
-from minibatch.runner import siblings
+from minibatch.core.compat import LINEAR_TARGETS
+from minibatch.speed import siblings
 
 
 def randomize_biases(module):

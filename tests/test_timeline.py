@@ -9,7 +9,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from minibatch.timeline import Timeline  # noqa: E402
+from minibatch.core.timeline import Timeline  # noqa: E402
 
 
 def make():

@@ -31,10 +31,10 @@ and all later work waits for it: concurrency gone (notebook 02).
   names.py      how work's objects travel to the cpu device process (shared storages, named objects).
   settings.py   process-wide settings the cpu devices hold (GIL switch interval, torch threads).
   lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
-  limits.py     how much memory this process may still allocate (free memory, ulimit, cgroup).
 
-This module is the front door: it opens a backend. The interface both implement, and the errors,
-live in devices/base.py, which imports no backend.
+This module is the front door: it opens a backend, and installs `get_device` as the opener the core's
+engine calls (core/device.py `open_device`). The interface the backends implement, and the errors,
+are the core's (minibatch/core/device.py): the backends plug into it, the core imports none of them.
 
 Work writes its results into preallocated tensors (`dev.empty`, `dev.pin`); return values are dropped.
 A failure in device work is raised in the host as `DeviceError`; a wait past its timeout raises
@@ -55,7 +55,7 @@ import torch
 from .cpu import CpuDevice
 from .cuda import CudaDevice
 from .threads import ThreadDevice
-from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream, use_opener
+from ..core.device import Device, DeviceError, DeviceTimeoutError, Event, Stream, use_opener
 
 BACKENDS = ("cpu", "cpu-threads", "cuda")
 CPU_DEVICE_VAR = "MINIBATCH_CPU_DEVICE"  # "cpu-threads": every "cpu" device opens as threads
@@ -73,7 +73,7 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     MINIBATCH_CPU_DEVICE=cpu-threads makes every "cpu" device threads (for a machine where the device
     process fails).
 
-    `timeline` (a minibatch.timeline.Timeline or None) receives a span per launch and copy. Options go
+    `timeline` (a minibatch.core.timeline.Timeline or None) receives a span per launch and copy. Options go
     to the backend (cpu, cpu-threads: `switch_interval`, `torch_threads`). `inherit`: objects device work
     will use that exist now (the model): the cpu device's process inherits them when it forks, instead
     of receiving a copy at the first launch; other backends share them with the host anyway.

@@ -57,10 +57,11 @@ from multiprocessing import reduction  # its sendfds exists only where Unix sock
 
 import torch
 
-from ..compat import share_fd
+from ..core.compat import share_fd
 from . import cpu_process as device_process
-from . import lifecycle, limits
-from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
+from . import lifecycle
+from ..core import limits
+from ..core.device import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 from .names import Names
 from . import settings
 from .threads import SWITCH_INTERVAL

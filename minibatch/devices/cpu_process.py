@@ -43,8 +43,8 @@ import cloudpickle
 import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
-from ..compat import object_at
-from .base import DeviceError, resident_types
+from ..core.compat import object_at
+from ..core.device import DeviceError, resident_types
 from . import lifecycle
 _SIDE: "DeviceSide | None" = None  # the device process's state, for the rebuild functions below
 

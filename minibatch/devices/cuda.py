@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import Device, DeviceError, DeviceTimeoutError, Event, Stream
+from ..core.device import Device, DeviceError, DeviceTimeoutError, Event, Stream
 
 # Per GPU, for the whole process: a property of the hardware (its clock), not of a run, so it outlives
 # any one device object and is measured once.

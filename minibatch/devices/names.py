@@ -23,8 +23,8 @@ import weakref
 import torch
 
 from . import cpu_process as device_process
-from .base import resident_types
-from .base import DeviceError
+from ..core.device import resident_types
+from ..core.device import DeviceError
 
 
 class Names:

@@ -50,7 +50,7 @@ import torch
 
 from . import settings
 from . import lifecycle
-from .base import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
+from ..core.device import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 

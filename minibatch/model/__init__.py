@@ -1,6 +1,6 @@
 """A transformers causal LM, plugged into the paged KV cache.
 
-Above: the engine. Below: batching (the batch's metadata, the KV cache, sampling) and the argument helpers.
+A plug-in: the core engine runs it (core/engine.py MODEL_NEEDS); it reads the core's batch, KV cache and sampling.
 
     model.py          load_model and Model: one model on one device, set up for minibatch          00
     checks.py         load_model's checks: arguments, decoder-only LM, config sizes                00

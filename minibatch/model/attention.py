@@ -28,8 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..batching.batch import Batch
-from ..batching.kv_cache import PagedKVCache
+from ..core.batch import Batch
+from ..core.kv_cache import PagedKVCache
 
 ATTN_NAME = "minibatch_paged"
 

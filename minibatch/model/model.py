@@ -27,12 +27,12 @@ import transformers
 from transformers import PreTrainedModel
 
 from .attention import ATTN_NAME, PagedMeta
-from ..batching.batch import Batch
+from ..core.batch import Batch
 from .checks import check_causal_lm, check_config_size, check_finite, check_load
-from ..batching.kv_cache import PagedKVCache
-from ..batching.sampling import sample
-from ..compat import tensor_version
-from ..devices.base import resident
+from ..core.kv_cache import PagedKVCache
+from ..core.sampling import sample
+from ..core.compat import tensor_version
+from ..core.device import resident
 
 TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"
 
@@ -110,14 +110,14 @@ class Model:
         the groups stacked now (0 elsewhere)."""
         if self.device.type != "cuda":
             return 0
-        from ..runner import siblings
+        from ..speed import siblings
 
         return siblings.pack(self.hf)
 
     def compiled_step(self, dynamic_rows: bool = False):
-        """This model's decode step through torch.compile (runner/compiled.py), for an engine's runs with
+        """This model's decode step through torch.compile (speed/compiled.py), for an engine's runs with
         compile=True (`dynamic_rows`: compile="dynamic")."""
-        from ..runner.compiled import CompiledStep
+        from ..speed.compiled import CompiledStep
 
         return CompiledStep(self, dynamic_rows=dynamic_rows)
 

@@ -33,8 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..batching.requests import SamplingParams
-from ..engine.serving import QueueFull
+from ..core.requests import SamplingParams
+from ..core.serving_loop import QueueFull
 from . import protocol
 from .protocol import BadRequest, Params
 
@@ -212,11 +212,11 @@ def _http_stack(http: str) -> str:
 
 def _lifespan(state: ServerState):
     """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved after."""
-    from ..engine.engine import SERVING_TIMELINE_LIMIT, Engine
+    from ..core.engine import SERVING_TIMELINE_LIMIT, Engine
 
     @asynccontextmanager
     async def lifespan(app):
-        from ..timeline import Timeline
+        from ..core.timeline import Timeline
 
         timeline = Timeline(limit=SERVING_TIMELINE_LIMIT)  # the engine's default, held here to be saved
         try:
@@ -308,7 +308,7 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
     thread shares the interpreter, and so the GIL, with the engine's loop. `gc_freeze`: once warm, keep
     the objects alive then out of Python's full garbage collections (`_freeze_heap`); the timeline
     records each full collection as a "gc" span either way."""
-    from ..engine.config import EngineConfig, serving_config
+    from ..core.config import EngineConfig, serving_config
 
     # max_queue is the serving loop's own, the rest EngineConfig's
     serving_config(model, EngineConfig(**{k: v for k, v in serving.items() if k != "max_queue"}))

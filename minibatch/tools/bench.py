@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..engine.engine import Engine, generate
+from ..core.engine import Engine, generate
 from ..model.model import Model
-from ..timeline import Timeline
+from ..core.timeline import Timeline
 
 
 @dataclass

@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _modes(arg: str) -> list[str]:
-    from ..engine.config import MODES
+    from ..core.config import MODES
     modes = [m for m in arg.split(",") if m]
     if not modes:
         raise argparse.ArgumentTypeError("needs at least one of sync, async")
@@ -67,7 +67,7 @@ def demo(args) -> None:
     import matplotlib.pyplot as plt
 
     from . import bench
-    from ..engine.engine import Engine
+    from ..core.engine import Engine
     from ..model.model import load_model
 
     out = _writable(args.out)
@@ -150,7 +150,7 @@ def _chrome_trace(results, timelines, path) -> None:
 def bench_cmd(args) -> None:
     from . import bench
     from . import floors
-    from ..engine.engine import Engine
+    from ..core.engine import Engine
     from ..model.model import load_model
 
     if args.out:

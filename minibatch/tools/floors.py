@@ -174,11 +174,11 @@ def pool_memory(model, rows: int = 32, context: int = 512, shared: bool = True) 
     shared=True captures both into one pool (what the loops do); shared=False gives each graph its
     own pool. The article's claim: with one pool, the second graph costs about nothing.
     """
-    from ..batching.requests import Request, SamplingParams
-    from ..batching.scheduler import Scheduler
-    from ..batching.slots import IOSlot, copy_in
+    from ..core.requests import Request, SamplingParams
+    from ..core.scheduler import Scheduler
+    from ..core.slots import IOSlot, copy_in
     from ..devices import get_device
-    from ..runner.graphs import StepRunner
+    from ..core.graphs import StepRunner
 
     block = 16
     cache = model.make_cache(rows * (context // block + 2), block)

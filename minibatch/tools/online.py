@@ -4,7 +4,7 @@ latency, sync against async (notebook 08; `scripts/online_bench.py` runs it on a
     arrivals   ▼    ▼ ▼         ▼      ▼  ▼        (exponential gaps, mean 1/rate; rate inf: all at once)
     request    ├─TTFT─┤ tok ├ITL┤ tok ├ITL┤ tok … (time to first token, gaps between tokens)
 
-Everything is measured from the streams' own timestamps (engine/stream.py): TTFT from submit to the
+Everything is measured from the streams' own timestamps (core/stream.py): TTFT from submit to the
 first token, ITL between consecutive tokens, end-to-end from submit to the last. Throughput counts
 generated tokens over the span from the first submit to the last token. What the overlap trades:
 every gap between tokens loses the host's share of a step (ITL down), while a request that arrives
@@ -64,7 +64,7 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
             warmup: bool = True, seed: int = 0, progress: bool = False, **serving) -> list[dict]:
     """For each mode and rate, one serving run of `prompts` at that rate: a row of `summarize` each.
     A warm-up pass (all at once) first fills the caches and captures the CUDA graphs of each mode."""
-    from ..engine.engine import Engine
+    from ..core.engine import Engine
 
     rows = []
     bar = None

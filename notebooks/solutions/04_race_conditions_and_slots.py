@@ -1,6 +1,6 @@
 """Solution to the exercise of notebook 04."""
-from minibatch.batching.buckets import bucket
-from minibatch.batching.buckets import ROW_BUCKETS
+from minibatch.core.buckets import bucket
+from minibatch.core.buckets import ROW_BUCKETS
 
 
 def count_graphs(steps, kv_bucket):

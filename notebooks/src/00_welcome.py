@@ -46,7 +46,7 @@ print("minibatch   ", minibatch.__version__)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minibatch.args import resolve_device
+from minibatch.core.args import resolve_device
 
 device = resolve_device("auto")
 print("device:", device)

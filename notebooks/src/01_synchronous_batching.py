@@ -15,10 +15,10 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batching.batch import build_batch
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
-from minibatch.timeline import Timeline
+from minibatch.core.batch import build_batch
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.core.timeline import Timeline
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -160,7 +160,7 @@ for t, o in zip(texts, inline_out):
     print(f"{t!r:50} -> {tok.decode(o)!r}")
 
 # %% [markdown]
-# The package's version is `minibatch.generate(..., mode="sync")` (in `minibatch/engine/sync_loop.py`).
+# The package's version is `minibatch.generate(..., mode="sync")` (in `minibatch/core/sync_loop.py`).
 # It must give the same tokens as our inline loop, and both must match Hugging Face `generate`
 # run on one prompt at a time:
 

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from minibatch.devices import get_device
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 _ = torch.manual_seed(0)  # nothing below is random, but every notebook starts seeded
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the

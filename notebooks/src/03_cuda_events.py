@@ -25,7 +25,7 @@ import torch
 
 import minibatch
 from minibatch.devices import get_device
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -285,7 +285,7 @@ fig.savefig(f"{FIGURES}/03_host_free_cpu.png", dpi=110)
 # ## 4. Then why is the synchronous loop not faster?
 #
 # Because in the loop the host has nothing useful to do in that window. `minibatch`'s synchronous
-# loop (`minibatch/engine/sync_loop.py`) already runs on exactly this machinery: each step it launches
+# loop (`minibatch/core/sync_loop.py`) already runs on exactly this machinery: each step it launches
 # H2D, compute and D2H on three streams chained by events, then synchronizes on `d2h_done`. But the
 # next batch **depends on this step's tokens**: which requests finished, what each one's next input
 # token is. So the host waits (grey), updates the requests, and only then prepares the next batch,

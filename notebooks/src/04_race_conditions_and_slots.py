@@ -16,15 +16,15 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batching.batch import build_batch
-from minibatch.batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
-from minibatch.batching.slots import IOSlot
+from minibatch.core.batch import build_batch
+from minibatch.core.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.core.slots import IOSlot
 from minibatch.devices import get_device
-from minibatch.runner.graphs import StepRunner
-from minibatch.runner.launch import forward_step, launch_step
-from minibatch.timeline import Timeline
+from minibatch.core.graphs import StepRunner
+from minibatch.core.launch import forward_step, launch_step
+from minibatch.core.timeline import Timeline
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -74,11 +74,11 @@ with get_device("cpu") as dev:
 # %% [markdown]
 # ## 2. The same race in a pipelined loop
 #
-# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/batching/slots.py`):
+# `minibatch` keeps all the tensors of one step in an `IOSlot` (`minibatch/core/slots.py`):
 # host buffers that the device can read, device buffers, and the three events `h2d_done`,
 # `compute_done` and `d2h_done`. `slot.load(batch, [])` writes a host batch (notebook 01's
 # `build_batch`) into the slot's host buffers (the empty list is notebook 05's carry-over mask:
-# nothing to carry here). `launch_step` (`minibatch/runner/launch.py`) then enqueues the step
+# nothing to carry here). `launch_step` (`minibatch/core/launch.py`) then enqueues the step
 # exactly as notebook 03's pipeline did, and returns at once:
 #
 # ```
@@ -268,7 +268,7 @@ print("two slots correct?", compute_ok == reference)
 # * shapes come from **buckets**: decode steps are padded to a row count from `ROW_BUCKETS` and a
 #   key length that is a multiple of a bucket (`model.decode_kv_bucket`: 64 keys on a GPU, 256 when
 #   the step is compiled), and each (slot, rows, keys) gets its own graph, captured the first time
-#   it comes up (`minibatch/runner/graphs.py`). A finer bucket pads less but needs more graphs;
+#   it comes up (`minibatch/core/graphs.py`). A finer bucket pads less but needs more graphs;
 #   notebook 07 measures what 64 instead of 256 saves. Prefill and mixed steps are padded too: their
 #   tokens to a size from `TOKEN_BUCKETS`, the keys they read to one from `KEY_BUCKETS`, with
 #   padding tokens that see only padding keys (`batch.pad_flat`). Their shapes repeat less than

@@ -20,9 +20,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.batching.batch import build_batch
-from minibatch.batching.requests import Request, RequestState, SamplingParams
-from minibatch.batching.scheduler import Scheduler
+from minibatch.core.batch import build_batch
+from minibatch.core.requests import Request, RequestState, SamplingParams
+from minibatch.core.scheduler import Scheduler
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -189,7 +189,7 @@ print("after carry-over   ", patched_next.tolist())
 # %% [markdown]
 # ## 4. The package version, checked
 #
-# `minibatch.batching.carry_over` has both halves: `carry_over_mask(prev_plan, plan)` runs on the host
+# `minibatch.core.carry_over` has both halves: `carry_over_mask(prev_plan, plan)` runs on the host
 # when it builds batch N+1, and `apply_carry_over(out_ids, input_ids, prev_output, mask)` runs on
 # the device, inside the compute step. It writes its result into a separate buffer rather than in
 # place, so that running it twice gives the same answer (a CUDA graph's warm-up run and its replay
@@ -198,7 +198,7 @@ print("after carry-over   ", patched_next.tolist())
 # building batch N+1 again, the slow way.
 
 # %%
-from minibatch.batching.carry_over import apply_carry_over, carry_over_mask
+from minibatch.core.carry_over import apply_carry_over, carry_over_mask
 
 assert carry_over_mask(plan_n, plan_next) == mask
 pkg_patched = torch.empty_like(batch_next.input_ids)
@@ -353,7 +353,7 @@ print("outputs stop exactly where the synchronous loop's stop ✓")
 #   0 for each token still in flight, and a carry-over mask: for each output row of batch N, its
 #   destination in batch N+1's input ids, or -1.
 # * On the device, before the forward pass: gather, zero, place, add. Fixed shapes, no host sync,
-#   so a CUDA graph can hold it (`minibatch.batching.carry_over`).
+#   so a CUDA graph can hold it (`minibatch.core.carry_over`).
 # * Forget it and the model reads NUL bytes: no error, wrong text.
 # * A request that hits EOS in batch N still runs in batch N+1; its extra token is dropped, so the
 #   output ends exactly where the synchronous loop's does.

@@ -22,14 +22,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 import minibatch
-from minibatch.batching.batch import build_batch
-from minibatch.batching.carry_over import carry_over_mask
+from minibatch.core.batch import build_batch
+from minibatch.core.carry_over import carry_over_mask
 from minibatch.devices import get_device
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
-from minibatch.batching.slots import IOSlot
-from minibatch.runner.launch import forward_step, launch_step
-from minibatch.timeline import Timeline
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.core.slots import IOSlot
+from minibatch.core.launch import forward_step, launch_step
+from minibatch.core.timeline import Timeline
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -57,7 +57,7 @@ EOS = tok.eos_token_id
 # * the host blocks in exactly one place per step: `d2h_done.synchronize()` of batch N, right
 #   before it hands batch N's tokens to their requests.
 #
-# The plan, as the docstring of `minibatch/engine/async_loop.py` draws it:
+# The plan, as the docstring of `minibatch/core/async_loop.py` draws it:
 #
 # ```
 # CPU      prep 0 │ prep 1 (B) │ wait 0 │ upd 0 │ prep 2 (A) │ wait 1 │ upd 1 │ prep 3 (B) …
@@ -123,7 +123,7 @@ for t, o in zip(texts, inline_out):
 #   more step, and a step can even come out empty.
 #
 # In the package, one turn of this loop, the body of our `while`, is `async_step` in
-# `minibatch/engine/async_loop.py`. `Engine.step` (`minibatch/engine/engine.py`) runs one turn, and
+# `minibatch/core/async_loop.py`. `Engine.step` (`minibatch/core/engine.py`) runs one turn, and
 # `minibatch.generate(..., mode="async")` builds an `Engine` whose `generate` calls `step` until
 # every request has finished. Same scheduler, same slots, same carry-over: it must give the same
 # tokens as our inline loop, and both the same as the synchronous loop (the sampling is seeded per

@@ -20,7 +20,7 @@ import torch
 
 import minibatch
 from minibatch.tools import bench
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 
 torch.manual_seed(0)
 # figures go to out/figures, which git ignores; `scripts/build_notebooks.py --figures` writes the
@@ -208,7 +208,7 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # rows of `context` tokens, runs it through the engine's own step runner and CUDA graph, and times
 # it, eager (the default) and compiled, next to that floor and to the matrix products alone. The
 # compiled step runs twice: as `compile=True` runs it, with q/k/v and gate/up merged into one product
-# each (`minibatch/runner/siblings.py`, explained after the next figure), and without that merge:
+# each (`minibatch/speed/siblings.py`, explained after the next figure), and without that merge:
 
 # %%
 RUN = DATA + "runs/gpu_merged_projections_2026-12-01/"
@@ -299,7 +299,7 @@ for rows in mm["rows"]:
 # into one weight makes one product big enough, and the Linear layers go from 1.22-1.38x their floor
 # to 1.07-1.25x: half a millisecond per step at every batch size. Production engines write it into
 # their model code (vLLM's has one `qkv_proj` and one `gate_up_proj` per layer). minibatch keeps
-# transformers' modules as they are and does it in two steps instead (`minibatch/runner/siblings.py`): when a
+# transformers' modules as they are and does it in two steps instead (`minibatch/speed/siblings.py`): when a
 # model is set up on a GPU, the weights of q, k and v (and of gate and up) are moved into one tensor,
 # each weight a view of its rows, so nothing the modules compute changes; and the compiled step's graph
 # gets a pass, before Inductor sees it, that turns three `linear` calls on the same input and on
@@ -319,7 +319,7 @@ import re
 
 import torch._dynamo
 
-from minibatch.runner import siblings
+from minibatch.speed import siblings
 
 small = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
 print("groups stacked:", siblings.pack(small.hf))
@@ -404,7 +404,7 @@ for r in sweep:
 #   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
 #   most of the run, and the ratio goes towards 1.
 # * **The async loop keeps the device busy at every point: 99.2-100% <!-- from figures/data/headline.json: sweep.busy_min_pct, sweep.busy_max_pct -->.** It did not always: before
-#   prefill steps could be CUDA graphs (`runner/graphs.py`, `batch.pad_flat`), the small shapes dropped to
+#   prefill steps could be CUDA graphs (`core/graphs.py`, `batch.pad_flat`), the small shapes dropped to
 #   97.8-98.8%, because an eager prefill step of a small model is bound by the host launching its
 #   kernels. The device then never ran far ahead of the host, and waited while the host prepared the
 #   next step. Padded to bucketed sizes and replayed, prefill steps are queued like decode steps.
@@ -581,10 +581,10 @@ exercises.check_07(globals().get("async_over_sync"))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minibatch.batching.batch import build_batch
-from minibatch.batching.kv_cache import PagedKVCache
-from minibatch.batching.requests import Request, SamplingParams
-from minibatch.batching.scheduler import Scheduler
+from minibatch.core.batch import build_batch
+from minibatch.core.kv_cache import PagedKVCache
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
 
 
 def host_ms_per_step(rows: int, context: int = 256, steps: int = 20) -> float:

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
-from minibatch.timeline import Timeline
+from minibatch.core.timeline import Timeline
 from minibatch.tools.online import arrival_times, compare, summarize
 
 torch.manual_seed(0)
@@ -76,9 +76,9 @@ time.sleep(0.2)
 print("".join(a), "".join(b))
 
 # %% [markdown]
-# The package does the same with the real loop (`minibatch/engine/serving.py`): a turn takes what
+# The package does the same with the real loop (`minibatch/core/serving_loop.py`): a turn takes what
 # arrived and honours cancels, runs one `sync_step` or `async_step` of the earlier chapters, and
-# delivers each request's tokens to its `TokenStream` (`minibatch/engine/stream.py`). The engine is sized
+# delivers each request's tokens to its `TokenStream` (`minibatch/core/stream.py`). The engine is sized
 # once for the whole serving context, for `max_batch_size` requests of the model's context: its KV
 # cache, IO slots and (on a GPU) CUDA graphs serve every request that comes.
 #

@@ -33,11 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minibatch.model import triton_decode  # noqa: E402
 from minibatch.model.attention import PagedMeta, _decode_attention, _decode_attention_sdpa  # noqa: E402
-from minibatch.batching.batch import build_batch  # noqa: E402
-from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
-from minibatch.batching.kv_cache import PagedKVCache  # noqa: E402
-from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
-from minibatch.batching.scheduler import Scheduler  # noqa: E402
+from minibatch.core.batch import build_batch  # noqa: E402
+from minibatch.core.buckets import ROW_BUCKETS  # noqa: E402
+from minibatch.core.kv_cache import PagedKVCache  # noqa: E402
+from minibatch.core.requests import Request, SamplingParams  # noqa: E402
+from minibatch.core.scheduler import Scheduler  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 TAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -40,7 +40,7 @@ def sample_scatter(logits, temperature, top_k, top_p, seed, counter):
     an exact float32 tie between two noisy scores)."""
     import torch
 
-    from minibatch.batching import sampling
+    from minibatch.core import sampling
 
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
@@ -63,7 +63,7 @@ def one(variant: str, vocab: int, device: str) -> str:
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    from minibatch.batching import sampling
+    from minibatch.core import sampling
 
     for setting in VARIANTS[variant]:
         name, value = setting.split("=")

@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import minibatch  # noqa: E402
 from minibatch.tools import bench
 from minibatch.tools import floors  # noqa: E402
-from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
-from minibatch.batching.scheduler import Scheduler  # noqa: E402
-from minibatch.runner.graphs import StepRunner  # noqa: E402
+from minibatch.core.requests import Request, SamplingParams  # noqa: E402
+from minibatch.core.scheduler import Scheduler  # noqa: E402
+from minibatch.core.graphs import StepRunner  # noqa: E402
 
 BLOCK = 16
 

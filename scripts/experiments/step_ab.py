@@ -24,10 +24,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
 from minibatch.tools import floors  # noqa: E402
-from minibatch.batching.batch import build_batch  # noqa: E402
-from minibatch.batching.buckets import ROW_BUCKETS  # noqa: E402
-from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
-from minibatch.batching.scheduler import Scheduler  # noqa: E402
+from minibatch.core.batch import build_batch  # noqa: E402
+from minibatch.core.buckets import ROW_BUCKETS  # noqa: E402
+from minibatch.core.requests import Request, SamplingParams  # noqa: E402
+from minibatch.core.scheduler import Scheduler  # noqa: E402
 
 OUT = Path(next((a for a in sys.argv[1:] if not a.startswith("--")), "."))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def compiled(model) -> None:
     batch.all_greedy = True
     model.decode_attention = "sdpa"
 
-    from minibatch.runner.compiled import CompiledStep
+    from minibatch.speed.compiled import CompiledStep
 
     compiled_step = CompiledStep(model)
     t = time.perf_counter()

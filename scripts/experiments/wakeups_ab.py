@@ -6,7 +6,7 @@ The engine's loop thread hands each request's new tokens to its TokenStream; a r
 asyncio event loop (a server's SSE response) is woken through `call_soon_threadsafe`, a write to the
 event loop's self-pipe. "per stream" wakes each reader as its chunk is put (TokenStream.put without a
 Wakeups); "per update" gathers them and wakes each event loop once (TokenStream.put with a Wakeups, what
-Loop.deliver does). N streams each get one token per step, with a sleep between steps standing in for
+ServingLoop.deliver does). N streams each get one token per step, with a sleep between steps standing in for
 the device's time, so that the readers catch up. Rounds alternate the two. Prints the CPU
 microseconds per token of the putting thread (the engine's loop) and of the event loop's thread,
 and their ratio; writes wakeups_ab.json.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from minibatch.engine.stream import Chunk, TokenStream, Wakeups  # noqa: E402
+from minibatch.core.stream import Chunk, TokenStream, Wakeups  # noqa: E402
 
 
 def run(streams_n: int, steps: int, step_s: float, gathered: bool) -> dict:

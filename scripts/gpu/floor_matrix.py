@@ -44,11 +44,11 @@ import minibatch  # noqa: E402
 from minibatch.tools import bench
 from minibatch.tools import floors  # noqa: E402
 from minibatch.devices import get_device  # noqa: E402
-from minibatch.batching.requests import Request, SamplingParams  # noqa: E402
-from minibatch.batching.scheduler import Scheduler  # noqa: E402
-from minibatch.batching.slots import IOSlot, copy_in  # noqa: E402
-from minibatch.runner.compiled import CompiledStep  # noqa: E402
-from minibatch.runner.graphs import StepRunner
+from minibatch.core.requests import Request, SamplingParams  # noqa: E402
+from minibatch.core.scheduler import Scheduler  # noqa: E402
+from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
+from minibatch.speed.compiled import CompiledStep  # noqa: E402
+from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
 KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),

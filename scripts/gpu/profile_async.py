@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minibatch  # noqa: E402
 from minibatch.tools import bench  # noqa: E402
-from minibatch.timeline import DEVICE_LANES, Timeline, union_length as union  # noqa: E402
+from minibatch.core.timeline import DEVICE_LANES, Timeline, union_length as union  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

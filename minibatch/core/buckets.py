@@ -1,9 +1,9 @@
 """The sizes steps are padded to, so that a few shapes serve every step (notebook 04).
 
-A CUDA graph (runner/graphs.py) and a compiled step (runner/compiled.py) serve one shape each, so a
+A CUDA graph (core/graphs.py) and a compiled step (speed/compiled.py) serve one shape each, so a
 step's sizes are rounded up to the next bucket: decode steps to a row count from ROW_BUCKETS,
 prefill and mixed steps to a token count from TOKEN_BUCKETS and a key count from KEY_BUCKETS
-(batch.pad_flat). The run's memory estimate (engine/memory.py) sizes the IO slots for the padded
+(batch.pad_flat). The run's memory estimate (core/memory.py) sizes the IO slots for the padded
 step. A finer bucket pads less but needs more graphs.
 """
 

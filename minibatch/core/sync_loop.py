@@ -19,7 +19,7 @@ finished. `async_loop.py` shares all of this and differs only in the step itself
 
 from __future__ import annotations
 
-from ..runner.launch import launch_step
+from .launch import launch_step
 
 
 def sync_step(run) -> list:

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..args import _bool, _int, _number
-from ..batching.requests import FIELDS as SAMPLING_FIELDS
+from .args import _bool, _int, _number
+from .requests import FIELDS as SAMPLING_FIELDS
 from .memory import check_memory, run_sizes
 
 MODES = ("sync", "async")
@@ -37,7 +37,7 @@ class Shape(NamedTuple):
 
     num_blocks: int
     block_size: int
-    max_tokens: int  # the IO slots' capacities (batching/slots.py): tokens, keys and sampled rows of the largest step
+    max_tokens: int  # the IO slots' capacities (core/slots.py): tokens, keys and sampled rows of the largest step
     max_keys: int
     rows: int
     num_slots: int
@@ -135,7 +135,7 @@ def serving_config(model, config: EngineConfig, reusable_bytes: int = 0) -> RunC
     shapes recur for as long as the batch keeps its size. Measured in BENCHMARKS.md (Serving).
 
     `compile=True` means "dynamic" here: one compile of the decode step for every row count
-    (runner/compiled.py), where a static compile per row count would stall every request each time
+    (speed/compiled.py), where a static compile per row count would stall every request each time
     the traffic brings a batch size it has not seen."""
     changes = {}
     if config.max_batch_size is None:

@@ -7,14 +7,14 @@
 
 `launch_step` enqueues the three stages, chained by the slot's events, and returns at once. Its
 compute stage calls a runner (graphs.StepRunner) on the step's bound arguments; the runner calls
-`forward_step` eagerly or replays a CUDA graph of it. Both loops (engine/sync_loop.py and
-engine/async_loop.py) launch every step through here.
+`forward_step` eagerly or replays a CUDA graph of it. Both loops (core/sync_loop.py and
+core/async_loop.py) launch every step through here.
 """
 
 from __future__ import annotations
 
-from ..batching.carry_over import apply_carry_over
-from ..batching.slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
+from .carry_over import apply_carry_over
+from .slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
 
 
 def forward_step(model, cache, args: StepArgs, compiled=None) -> None:

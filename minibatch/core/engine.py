@@ -11,7 +11,7 @@ loops it steps are notebooks 01 and 06, serving is notebook 08).
 `engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
 wrapper that builds an engine for one call. `engine.serving(...)` opens a run sized once for
 requests that arrive while it lasts: its loop turns in a background thread, `engine.submit(...)`
-hands it a request from any thread and returns a TokenStream of its tokens (serving.py, stream.py);
+hands it a request from any thread and returns a TokenStream of its tokens (serving_loop.py, stream.py);
 `generate` called meanwhile submits into it. Keep an engine to keep its resources: CUDA graphs are
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
@@ -37,16 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching.requests import Request, SamplingParams
-from ..batching.scheduler import Scheduler
-from ..batching.slots import IOSlot
-from ..devices.base import DeviceError, deferred_interrupts, open_device
-from ..runner.graphs import StepRunner
-from ..timeline import Timeline
+from .requests import Request, SamplingParams
+from .scheduler import Scheduler
+from .slots import IOSlot
+from .device import DeviceError, deferred_interrupts, open_device
+from .graphs import StepRunner
+from .timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
 from .config import EngineConfig, RunConfig, Shape, make_config, serving_config, split_options
-from .serving import Loop
+from .serving_loop import ServingLoop
 from .stream import TokenStream
 from .sync_loop import sync_step
 
@@ -112,7 +112,7 @@ class Engine:
         self.dev = None  # opened on first use, kept until close()
         self.kept: OrderedDict[Shape, Resources] = OrderedDict()
         self.run: Run | None = None
-        self.loop: Loop | None = None  # while serving
+        self.loop: ServingLoop | None = None  # while serving
         self._busy = threading.Lock()  # held by the run in progress (a generate, or a serving context)
         self._compiled = None  # the model's compiled decode step, made at the first compiled run
         self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
@@ -120,7 +120,7 @@ class Engine:
     # --- a run, step by step ------------------------------------------------------------------------
     def start(self, requests: list[Request], mode: str | None = None, config: EngineConfig | None = None, *,
               timeline: Timeline | None = None, on_step: Callable | None = None, **options) -> Run:
-        """Set up a run of `requests` (minibatch.batching.requests.Request objects, e.g.
+        """Set up a run of `requests` (minibatch.core.requests.Request objects, e.g.
         `Request(0, token_ids, SamplingParams(max_new_tokens=8))`); `step()` then advances it.
         `config` (an EngineConfig) and `options` (its fields by name) say how; `mode` ("sync", the
         default, or "async") is one of them, first for short."""
@@ -232,7 +232,7 @@ class Engine:
         with self._exclusive():
             run = self._open(run_config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT),
                              None)
-            self.loop = Loop(self, run, max_queue)
+            self.loop = ServingLoop(self, run, max_queue)
             self.loop.start_thread()
             try:
                 yield self

@@ -1,4 +1,4 @@
-"""How much host memory this process may still allocate (notebook 00; the checks of engine/memory.py
+"""How much host memory this process may still allocate (notebook 00; the checks of core/memory.py
 and model/checks.py ask before they allocate).
 
 Free memory is the smallest of three numbers, each of which can be the one that stops an allocation:

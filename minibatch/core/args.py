@@ -2,7 +2,7 @@
 argument, the dtypes and devices minibatch accepts, and `resolve_device` (notebook 00).
 
 They sit at the bottom of the package (below the devices) so that the model's load checks
-(model/checks.py) and the run's checks (engine/checks.py) share one definition of "an integer".
+(model/checks.py) and the run's checks (core/checks.py) share one definition of "an integer".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INT64_MAX = 2**63 - 1  # seeds and top_k travel to the device as int64 (batching/batch.py)
+INT64_MAX = 2**63 - 1  # seeds and top_k travel to the device as int64 (core/batch.py)
 
 
 def _int(name: str, value: Any, low: int | None = 1, high: int | None = None) -> int:

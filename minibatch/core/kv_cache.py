@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .decode_keys import DecodeKeys
-from ..devices.base import resident
+from .device import resident
 
 
 class OutOfBlocks(RuntimeError):
@@ -101,7 +101,7 @@ class BlockAllocator:
         return tables
 
 
-@resident  # on the device side, as a GPU keeps it (devices/base.py)
+@resident  # on the device side, as a GPU keeps it (core/device.py)
 class PagedKVCache:
     """Device storage: per layer one key and one value tensor of shape [cells, kv_heads, head_dim]."""
 

@@ -24,8 +24,8 @@ Being one step behind has two consequences, both handled here and in the schedul
 
 from __future__ import annotations
 
-from ..batching.carry_over import carry_over_mask
-from ..runner.launch import launch_step
+from .carry_over import carry_over_mask
+from .launch import launch_step
 
 
 def async_step(run) -> list:

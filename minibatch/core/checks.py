@@ -1,7 +1,7 @@
 """The argument checks of `generate` and `submit` that need the model: one pass, before any work starts.
 
 The options themselves are checked where they are defined, once: per request in SamplingParams
-(batching/requests.py), per run in EngineConfig (config.py). Why check at all: a bad value that
+(core/requests.py), per run in EngineConfig (config.py). Why check at all: a bad value that
 gets past the top of `generate` surfaces much later and far from its cause: a float `top_k` silently truncated, a `seed` that overflows int64 in batch.py, a
 `timeout=nan` that busy-waits forever, a `max_batch_tokens=10**9` that allocates gigabytes of IO
 buffers, or (worst) the async loop with one IO slot, which returns wrong tokens without a word
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..args import INT64_MAX, _bool, _int
-from ..batching.requests import SamplingParams
-from ..timeline import Timeline
+from .args import INT64_MAX, _bool, _int
+from .requests import SamplingParams
+from .timeline import Timeline
 
 
 def token_lists(prompts: Any, model) -> list[list[int]]:

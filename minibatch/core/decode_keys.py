@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compat import referenced_elsewhere
+from .compat import referenced_elsewhere
 
 #: the three key fields of a batch, in the order the table keeps them
 FIELDS = ("kv_indices", "kv_seq", "kv_pos")

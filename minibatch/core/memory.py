@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..batching.batch import TENSOR_FIELDS
-from ..batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
-from ..batching.slots import EXTENT
-from ..devices.limits import host_bytes_free
+from .batch import TENSOR_FIELDS
+from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from .slots import EXTENT
+from .limits import host_bytes_free
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
@@ -28,7 +28,7 @@ def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, 
               min_rows: int = 1):
     """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of a run whose
     requests have prompts of `lengths` tokens. `min_rows`: the fewest rows a decode step is padded to
-    (2 for compile="dynamic", which pads a single row to two: runner/graphs.py)."""
+    (2 for compile="dynamic", which pads a single row to two: core/graphs.py)."""
     need = sorted((-(-(n + max_new_tokens - 1) // block_size) for n in lengths), reverse=True)
     if num_blocks is None:  # enough for max_batch_size of the longest requests at once
         num_blocks = sum(need[:max_batch_size])
@@ -61,7 +61,7 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
 def available_bytes(device: torch.device) -> tuple[int, int]:
     """(free device memory, free host memory) in bytes; on the CPU both are the same host memory. Host
     memory is the smallest of the machine's free memory, an address-space limit (`ulimit -v`) and a
-    container's cgroup limit (devices/limits.py)."""
+    container's cgroup limit (core/limits.py)."""
     host = host_bytes_free()
     if device.type != "cuda":
         return host, host

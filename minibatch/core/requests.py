@@ -21,7 +21,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..args import INT64_MAX, _int, _number
+from .args import INT64_MAX, _int, _number
 
 
 class RequestState(enum.Enum):

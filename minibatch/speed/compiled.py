@@ -1,7 +1,7 @@
 """The decode step through torch.compile: one compiled function per engine (notebook 07).
 
 `CompiledStep` is what `generate(compile=True)` runs for decode steps; the step runner
-(runner/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
+(core/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
 gate/up run as one matrix product each (siblings.py). `compile="dynamic"` (what a server uses) compiles
 one step for every row count instead of one per row count.
 """
@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from ..batching.batch import DYNAMIC_ROWS
-from ..batching.sampling import sample
-from ..compat import mark_dynamic, raise_recompile_limit
-from ..devices.base import resident
+from ..core.batch import DYNAMIC_ROWS
+from ..core.sampling import sample
+from ..core.compat import mark_dynamic, raise_recompile_limit
+from ..core.device import resident
 
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)
 ROW_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "logits_indices", "temperature", "top_k",
@@ -111,7 +111,7 @@ class CompiledStep:
                 if shape[4] and not any(s[2] == shape[2] and s[4] for s in seen):
                     said.append(f"the {'greedy' if shape[2] else 'sampled'} token choice: compiling, once")
                 elif not shape[4]:
-                    said.append("top-k/top-p: sampled eagerly (runner/compiled.py)")
+                    said.append("top-k/top-p: sampled eagerly (speed/compiled.py)")
                 if said:
                     print(f"torch.compile: decode step: {'; '.join(said)}", file=sys.stderr, flush=True)
         if self.dynamic_keys:

@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..batching.batch import build_batch, pad_flat
-from ..batching.buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
-from ..batching.scheduler import BatchPlan
-from ..batching.slots import StepArgs
-from ..devices.base import resident
+from .batch import build_batch, pad_flat
+from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
+from .scheduler import BatchPlan
+from .slots import StepArgs
+from .device import resident
 from .launch import forward_step
 
 if TYPE_CHECKING:
-    from .compiled import CompiledStep
+    from ..speed.compiled import CompiledStep
 
 
 @resident

@@ -77,7 +77,7 @@ class Batch:
 
     def rows(self):
         """Decode rows (0: not the decode layout), as the model's forward reads them. A compiled step
-        with a dynamic row count (runner/compiled.py) sets decode_rows to DYNAMIC_ROWS, so that the
+        with a dynamic row count (speed/compiled.py) sets decode_rows to DYNAMIC_ROWS, so that the
         count comes from a tensor's length, which torch.compile can keep symbolic, and not from a
         Python int, which it would compile each value of anew: in the decode layout every row is one
         token, so the count is the number of tokens."""
@@ -128,7 +128,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     [rows, L] (row r = request r's context, padded with the scratch cell to L, a multiple of
     decode_bucket) and pad the rows to a size in `row_buckets` (padding rows read only the scratch
     cell). Attention then costs rows x L instead of rows x (sum of all contexts), and the shapes
-    come from a small set, so each (rows, L) pair can be a CUDA graph (runner/graphs.py). L is a multiple of
+    come from a small set, so each (rows, L) pair can be a CUDA graph (core/graphs.py). L is a multiple of
     `decode_bucket` (default: kv_bucket): a smaller bucket reads less padding per step but needs more
     graphs (model/model.py says which sizes we use and why).
     """

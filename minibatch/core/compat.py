@@ -8,11 +8,11 @@ checks each hook on whichever version is installed, so running it under another 
 hooks still hold.
 
     tensor_version     a tensor's in-place write counter (Tensor._version)          model/model.py
-    rebind_data        point a parameter at other storage (Tensor.data = ...)       runner/siblings.py
-    LINEAR(_TARGETS)   the function an FX graph's linear nodes call                runner/siblings.py
-    inductor_compile   Inductor, as torch.compile's backend would run it            runner/siblings.py
-    raise_recompile_limit / mark_dynamic   torch._dynamo's limit and shape hints    runner/compiled.py
-    referenced_elsewhere   reference counts as a copy-on-write test                 batching/decode_keys.py
+    rebind_data        point a parameter at other storage (Tensor.data = ...)       speed/siblings.py
+    LINEAR(_TARGETS)   the function an FX graph's linear nodes call                speed/siblings.py
+    inductor_compile   Inductor, as torch.compile's backend would run it            speed/siblings.py
+    raise_recompile_limit / mark_dynamic   torch._dynamo's limit and shape hints    speed/compiled.py
+    referenced_elsewhere   reference counts as a copy-on-write test                 core/decode_keys.py
     object_at          an object from its address (ctypes)                          devices/cpu_process.py
     share_fd           a storage's shared-memory file descriptor                    devices/cpu.py
 
@@ -49,7 +49,7 @@ def tensor_version(t: torch.Tensor) -> int:
 def rebind_data(t: torch.Tensor, new: torch.Tensor) -> None:
     """Make `t` (a Parameter, typically) use `new`'s storage, keeping the Python object `t` itself.
 
-    Why: stacking a layer's q/k/v weights into one tensor (runner/siblings.py) must leave every module
+    Why: stacking a layer's q/k/v weights into one tensor (speed/siblings.py) must leave every module
     holding the same Parameter object (hooks, optimizers, `named_parameters` and transformers' tied
     weights refer to it), now a view of the stacked block. `Tensor.data = ...` is the only way to swap
     the storage under an existing Parameter; `torch.utils.swap_tensors` swaps whole objects instead.
@@ -72,7 +72,7 @@ LINEAR_TARGETS: tuple = tuple({id(f): f for f in (LINEAR, torch.nn.functional.li
 def inductor_compile(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None):
     """Compile an FX graph with Inductor as `torch.compile(mode=mode)` would, and return the callable.
 
-    Why: a custom torch.compile backend (runner/siblings.py rewrites the graph first) must then hand it
+    Why: a custom torch.compile backend (speed/siblings.py rewrites the graph first) must then hand it
     to Inductor with the options that `mode` stands for. torch exports no function for either step:
     `torch._inductor.compile_fx.compile_fx` is what the "inductor" backend calls, and
     `torch._inductor.list_mode_options` maps a mode name to its config patches. Both exist with these
@@ -117,7 +117,7 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
 def referenced_elsewhere(obj, owners: int = 1) -> bool:
     """True if anything besides `owners` known references (list items, attributes) holds `obj`.
 
-    Why: the decode key table (batching/decode_keys.py) hands out views of its arrays; while a caller
+    Why: the decode key table (core/decode_keys.py) hands out views of its arrays; while a caller
     still holds a batch built on them, the next step must write to a copy (copy on write), and when
     none does it may write in place, which keeps the host's work per step O(rows). numpy tracks no
     views, so the reference count of the base array is the test (a view holds its base). CPython's

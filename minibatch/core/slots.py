@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
-from ..devices.base import Device, resident
+from .device import Device, resident
 
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 
-from ..batching.requests import Request, RequestState
+from .requests import Request, RequestState
 from .stream import Chunk, Detokenizer, TokenStream, Wakeups
 
 
@@ -35,7 +35,7 @@ class QueueFull(RuntimeError):
     """`submit` refused a request: `max_queue` requests are waiting already (a server answers 503)."""
 
 
-class Loop:
+class ServingLoop:
     """One run's turns (engine.Run), and what callers hand it: new requests and cancels."""
 
     def __init__(self, engine, run, max_queue: int | None = None) -> None:

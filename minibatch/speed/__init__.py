@@ -1,0 +1,5 @@
+"""Speed extras plugged into the core: they change how fast a step runs, never what it computes.
+
+    compiled.py   CompiledStep: the decode step through torch.compile (Model.compiled_step)        07
+    siblings.py   q/k/v and gate/up as one matrix product inside compiled steps                     07
+"""
