@@ -116,12 +116,27 @@ for p, o in zip(prompts, outs):
     print(f"{p!r} ({len(o)} tokens, stopped by {end}):\n    {tok.decode(o)!r}")
 
 # %% [markdown]
+# ## 5. The package you will build
+#
+# What `generate` just ran lives in `minibatch/core/`, a folder small enough to read in a few
+# sittings: it imports nothing else of `minibatch`. Each of the next notebooks builds one piece of it
+# in a few lines first, then opens the file that does the same. The map (its `__init__` docstring)
+# says which notebook explains which file; what is not in the core (the emulated GPU, the
+# transformers model, torch.compile, the HTTP server, the benchmarks) plugs into it from outside.
+
+# %%
+import minibatch.core
+
+print(minibatch.core.__doc__)
+
+# %% [markdown]
 # ## Summary
 #
 # * `minibatch.load_model` loads a transformers model (the built-in `"tiny"`, a local folder, a hub
 #   id, or a model you built) and plugs our paged KV cache into its attention.
 # * `minibatch.generate(model, prompts, ...)` continues many prompts at once and agrees token for
 #   token with Hugging Face `generate` under greedy decoding.
+# * The loop behind it is `minibatch/core/`; the notebooks build it file by file.
 # * Next, in **01**, we open the box: the synchronous continuous-batching loop, step by step.
 #
 # ## Exercise
