@@ -168,8 +168,7 @@ def make_config(model, config: EngineConfig, lengths: list[int], max_new_tokens:
     if cuda_graphs and not cuda:
         raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
     num_slots = config.num_slots or (2 if config.mode == "async" else 1)
-    sizes = run_sizes(model, lengths, max_new_tokens, max_batch_size, config.max_batch_tokens, block_size,
-                      config.num_blocks, min_rows=2 if compile == "dynamic" else 1)
+    sizes = run_sizes(model, config, lengths, max_new_tokens, max_batch_size, block_size)
     shape = Shape(sizes[0], block_size, *sizes[1:], num_slots, cuda_graphs, compile,
                   decode=(model.decode_attention, model.decode_kv_bucket))
     check_memory(model, shape, given_blocks=config.num_blocks is not None, reusable=reusable_bytes)

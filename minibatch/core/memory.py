@@ -24,11 +24,13 @@ from .limits import host_bytes_free
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
 
-def run_sizes(model, lengths, max_new_tokens, max_batch_size, max_batch_tokens, block_size, num_blocks,
-              min_rows: int = 1):
-    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of a run whose
-    requests have prompts of `lengths` tokens. `min_rows`: the fewest rows a decode step is padded to
-    (2 for compile="dynamic", which pads a single row to two: core/graphs.py)."""
+def run_sizes(model, config, lengths, max_new_tokens, max_batch_size: int, block_size: int):
+    """(num_blocks, max_tokens, max_keys, rows): the KV blocks and the IO slots' capacities of a run of
+    `config` (an EngineConfig: its token budget, num_blocks and compile) whose requests have prompts of
+    `lengths` tokens; `max_batch_size` and `block_size` as make_config resolved them. A decode step
+    is padded to at least two rows with compile="dynamic" (it pads a single row to two: core/graphs.py)."""
+    max_batch_tokens, num_blocks = config.max_batch_tokens, config.num_blocks
+    min_rows = 2 if config.compile == "dynamic" else 1
     need = sorted((-(-(n + max_new_tokens - 1) // block_size) for n in lengths), reverse=True)
     if num_blocks is None:  # enough for max_batch_size of the longest requests at once
         num_blocks = sum(need[:max_batch_size])
