@@ -9,6 +9,7 @@ from minibatch.core.buckets import KEY_BUCKETS, TOKEN_BUCKETS
 from minibatch.speed.compiled import CompiledStep
 from minibatch.tools.floors import pool_memory
 from minibatch.core.timeline import Timeline
+from minibatch.serving.loop import Serving
 
 pytestmark = pytest.mark.cuda
 
@@ -157,10 +158,10 @@ def test_a_dynamic_rows_compile_samples_with_top_k_and_top_p_at_a_real_vocabular
     variants = (dict(temperature=0.0), dict(temperature=0.9), dict(temperature=0.9, top_k=20),
                 dict(temperature=0.9, top_p=0.8))
     engine = minibatch.Engine(model)
-    with engine.serving(max_batch_size=4, compile=True):
+    with Serving(engine, max_batch_size=4, compile=True) as server:
         assert engine._compiled.dynamic_rows  # what serving makes of compile=True on a GPU
         for v in variants:
-            assert len(engine.submit(work[0], max_new_tokens=4, seed=0, **v).wait().token_ids) == 4, v
+            assert len(server.submit(work[0], max_new_tokens=4, seed=0, **v).wait().token_ids) == 4, v
     for v in variants:
         kw = dict(max_new_tokens=8, max_batch_size=8, max_batch_tokens=256, seed=1, **v)
         assert engine.generate(work, mode="async", compile="dynamic", **kw) == \

@@ -33,7 +33,7 @@ CHAPTER = {
     "minibatch.tools.cli_args": 7, "minibatch.tools.cli_serving": 8,
     "minibatch.model.triton_decode": 7, "minibatch.speed.siblings": 7,
     "minibatch.core.compat": 7, "minibatch.core.config": 0,
-    "minibatch.core.serving_loop": 8, "minibatch.core.stream": 8, "minibatch.tools.online": 8,
+    "minibatch.serving.loop": 8, "minibatch.serving.stream": 8, "minibatch.tools.online": 8,
     "minibatch.serving": 8, "minibatch.serving.server": 8, "minibatch.serving.protocol": 8,
     "minibatch.serving.bench_serve": 8, "minibatch.serving.bench_report": 8,
 }

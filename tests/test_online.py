@@ -1,5 +1,5 @@
 """Serving: requests submitted while the loop runs give the tokens they give alone, and nothing past
-their end ever reaches a stream (notebook 08; minibatch/core/serving_loop.py, stream.py)."""
+their end ever reaches a stream (notebook 08; minibatch/serving/loop.py, stream.py)."""
 
 import asyncio
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 
 import minibatch
-from minibatch.core.serving_loop import QueueFull
+from minibatch.serving.loop import QueueFull, Serving
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
            "Assignment statements", "A string literal", "def f(x):", "Lists are"]
@@ -60,14 +60,14 @@ def check_workload(model, work, limits, mode, seed):
     """Submit `work` at its arrival times from a thread; compare each stream with the request alone."""
     tok = model.tokenizer
     streams = []
-    with minibatch.Engine(model) as engine, engine.serving(mode, **limits):
+    with minibatch.Engine(model) as engine, Serving(engine, mode, **limits) as server:
         start = time.perf_counter()
         for prompt, kw, stop, at in sorted(work, key=lambda w: w[3]):
             time.sleep(max(0.0, start + at - time.perf_counter()))
-            streams.append((engine.submit(prompt, stop=stop, **kw), prompt, kw, stop))
+            streams.append((server.submit(prompt, stop=stop, **kw), prompt, kw, stop))
         for s, *_ in streams:
             s.wait(timeout=60)
-        assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks"]
+        assert server.stats()["kv_blocks_free"] == server.stats()["kv_blocks"]
     for s, prompt, kw, stop in streams:
         ref = alone(model, prompt, **kw)
         reason = None
@@ -102,8 +102,8 @@ def test_online_equals_offline_many(tiny, mode):
 
 def test_submit_matches_generate_with_the_same_seed(tiny, engine):
     ref = alone(tiny, "The for statement", max_new_tokens=32, temperature=0.7, seed=1)
-    with engine.serving("async", max_batch_size=8):
-        s = engine.submit("The for statement", max_new_tokens=32, temperature=0.7, seed=1)
+    with Serving(engine, "async", max_batch_size=8) as server:
+        s = server.submit("The for statement", max_new_tokens=32, temperature=0.7, seed=1)
         chunks = list(s)
     assert s.token_ids == ref and [t for c in chunks for t in c.token_ids] == ref
     assert "".join(c.text for c in chunks) == s.text == tiny.tokenizer.decode(ref)
@@ -118,10 +118,10 @@ def test_no_token_after_the_end_reaches_a_stream(tiny, mode):
     ref = alone(tiny, "The import system", max_new_tokens=40)
     eos = ref[5]  # a token that surely comes up: EOS there
     stop_at = tiny.tokenizer.decode(ref[10:12])
-    with minibatch.Engine(tiny) as engine, engine.serving(mode, max_batch_size=4):
-        by_eos = engine.submit("The import system", max_new_tokens=40, eos_token_id=eos)
-        by_stop = engine.submit("The import system", max_new_tokens=40, stop=[stop_at])
-        by_length = engine.submit("The import system", max_new_tokens=7)
+    with minibatch.Engine(tiny) as engine, Serving(engine, mode, max_batch_size=4) as server:
+        by_eos = server.submit("The import system", max_new_tokens=40, eos_token_id=eos)
+        by_stop = server.submit("The import system", max_new_tokens=40, stop=[stop_at])
+        by_length = server.submit("The import system", max_new_tokens=7)
         for s in (by_eos, by_stop, by_length):
             s.wait(30)
     assert by_eos.token_ids == ref[:ref.index(eos) + 1] and by_eos.finish_reason == "eos"
@@ -134,8 +134,8 @@ def test_no_token_after_the_end_reaches_a_stream(tiny, mode):
 def test_cancel_lets_at_most_the_step_in_progress_through(tiny, mode):
     """Slow steps (an injected delay), so that the cancel lands while a step runs: after cancel()
     returns, at most two chunks arrive (that step's token, then the end), and the blocks come back."""
-    with minibatch.Engine(tiny) as engine, engine.serving(mode, max_batch_size=2, inject_delays={"compute": 0.03}):
-        s = engine.submit("The for statement", max_new_tokens=200)
+    with minibatch.Engine(tiny) as engine, Serving(engine, mode, max_batch_size=2, inject_delays={"compute": 0.03}) as server:
+        s = server.submit("The for statement", max_new_tokens=200)
         it = iter(s)
         for _ in range(3):
             next(it)
@@ -145,13 +145,13 @@ def test_cancel_lets_at_most_the_step_in_progress_through(tiny, mode):
         assert sum(len(c.token_ids) for c in after) <= 1
         assert len(s.token_ids) <= 4
         time.sleep(0.1)
-        assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks"]
+        assert server.stats()["kv_blocks_free"] == server.stats()["kv_blocks"]
     assert s.finish_reason == "cancelled"
 
 
 def test_a_stream_keeps_its_tokens_for_a_late_reader(engine):
-    with engine.serving("sync", max_batch_size=2):
-        s = engine.submit("A class definition", max_new_tokens=10)
+    with Serving(engine, "sync", max_batch_size=2) as server:
+        s = server.submit("A class definition", max_new_tokens=10)
         s.wait(30)
         first, second = list(s), list(s)
     assert first == second and sum(len(c.token_ids) for c in first) == 10
@@ -159,18 +159,18 @@ def test_a_stream_keeps_its_tokens_for_a_late_reader(engine):
 
 def test_leaving_serving_cancels_open_streams(tiny):
     with minibatch.Engine(tiny) as engine:
-        with engine.serving("async", max_batch_size=2, inject_delays={"compute": 0.02}):
-            streams = [engine.submit(p, max_new_tokens=300) for p in PROMPTS[:4]]
+        with Serving(engine, "async", max_batch_size=2, inject_delays={"compute": 0.02}) as server:
+            streams = [server.submit(p, max_new_tokens=300) for p in PROMPTS[:4]]
             time.sleep(0.1)
         assert all(s.finish_reason == "cancelled" for s in streams)
-        assert engine.loop is None and not [t for t in threading.enumerate() if t.name == "minibatch-engine-loop"]
+        assert server.loop is None and not [t for t in threading.enumerate() if t.name == "minibatch-engine-loop"]
         assert minibatch.generate(engine, ["The for statement"], max_new_tokens=5)[0] == \
             alone(tiny, "The for statement", max_new_tokens=5)  # usable again
 
 
 def test_asyncio_readers_never_block_the_event_loop(tiny):
     """A heartbeat task beside 8 streaming tasks: its gaps stay far below a blocking read's."""
-    async def main(engine):
+    async def main(server):
         gaps, stop = [], asyncio.Event()
 
         async def heartbeat():
@@ -182,7 +182,7 @@ def test_asyncio_readers_never_block_the_event_loop(tiny):
                 last = now
 
         async def read(p):
-            s = engine.submit(p, max_new_tokens=24)
+            s = server.submit(p, max_new_tokens=24)
             return [c async for c in s], s
 
         hb = asyncio.create_task(heartbeat())
@@ -191,9 +191,9 @@ def test_asyncio_readers_never_block_the_event_loop(tiny):
         await hb
         return gaps, results
 
-    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8,
-                                                          inject_delays={"compute": 0.01}):
-        gaps, results = asyncio.run(main(engine))
+    with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=8,
+                                                   inject_delays={"compute": 0.01}) as server:
+        gaps, results = asyncio.run(main(server))
     assert max(gaps) < 0.25, max(gaps)
     for (chunks, s), p in zip(results, PROMPTS):
         assert s.token_ids == alone(tiny, p, max_new_tokens=24)
@@ -207,19 +207,19 @@ def test_many_threads_and_tasks_submit_at_once(tiny):
     refs = {p: alone(tiny, p, max_new_tokens=12, temperature=0.9, seed=7) for p in PROMPTS}
     threads_before = threading.active_count()
     results, errors = [], []
-    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8):
+    with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=8) as server:
         def worker(k):
             try:
                 for j in range(12):
                     p = PROMPTS[(k + j) % len(PROMPTS)]
-                    results.append((p, engine.submit(p, max_new_tokens=12, temperature=0.9, seed=7).wait(60)))
+                    results.append((p, server.submit(p, max_new_tokens=12, temperature=0.9, seed=7).wait(60)))
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
         async def tasks():
             async def one(k):
                 p = PROMPTS[k % len(PROMPTS)]
-                s = engine.submit(p, max_new_tokens=12, temperature=0.9, seed=7)
+                s = server.submit(p, max_new_tokens=12, temperature=0.9, seed=7)
                 async for _ in s:
                     pass
                 results.append((p, s))
@@ -231,7 +231,7 @@ def test_many_threads_and_tasks_submit_at_once(tiny):
         asyncio.run(tasks())
         for t in pool:
             t.join()
-        stats = engine.stats()
+        stats = server.stats()
     assert not errors and len(results) == 200
     assert all(s.token_ids == refs[p] for p, s in results)
     assert stats["kv_blocks_free"] == stats["kv_blocks"]
@@ -244,10 +244,10 @@ def test_many_threads_and_tasks_submit_at_once(tiny):
 
 def test_many_submissions_leave_no_descriptor_open(tiny):
     fds_before = _fds()
-    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=8):
+    with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=8) as server:
         def worker():
             for j in range(12):
-                engine.submit(PROMPTS[j % len(PROMPTS)], max_new_tokens=12, temperature=0.9, seed=7).wait(60)
+                server.submit(PROMPTS[j % len(PROMPTS)], max_new_tokens=12, temperature=0.9, seed=7).wait(60)
 
         pool = [threading.Thread(target=worker) for _ in range(8)]
         for t in pool:
@@ -260,8 +260,8 @@ def test_many_submissions_leave_no_descriptor_open(tiny):
 
 def test_an_idle_serving_engine_sleeps(engine):
     """No spinning: one idle second costs this process (every thread of it) well under 5% of a core."""
-    with engine.serving("async", max_batch_size=2):
-        engine.submit("x", max_new_tokens=2).wait(30)
+    with Serving(engine, "async", max_batch_size=2) as server:
+        server.submit("x", max_new_tokens=2).wait(30)
         before = time.process_time()
         time.sleep(1.0)
         used = time.process_time() - before
@@ -270,23 +270,23 @@ def test_an_idle_serving_engine_sleeps(engine):
 
 def test_bad_submissions_name_the_problem(tiny, engine):
     with pytest.raises(RuntimeError, match="serving"):
-        engine.submit("x")
-    with engine.serving("sync", max_batch_size=2, num_blocks=4, block_size=4, max_queue=2,
-                        inject_delays={"compute": 0.05}):
+        Serving(engine, "sync", max_batch_size=2).submit("x")  # made, but its block not entered
+    with Serving(engine, "sync", max_batch_size=2, num_blocks=4, block_size=4, max_queue=2,
+                 inject_delays={"compute": 0.05}) as server:
         with pytest.raises(ValueError, match="max_new_tokens"):
-            engine.submit("x", max_new_tokens=0)
+            server.submit("x", max_new_tokens=0)
         with pytest.raises(ValueError, match="could never run"):
-            engine.submit("x", max_new_tokens=40)
+            server.submit("x", max_new_tokens=40)
         with pytest.raises(TypeError, match="stop"):
-            engine.submit("x", stop=[3])
+            server.submit("x", stop=[3])
         with pytest.raises(ValueError, match="context"):
-            engine.submit("x", max_new_tokens=tiny.max_positions)
+            server.submit("x", max_new_tokens=tiny.max_positions)
         with pytest.raises(ValueError, match="serving in 'sync'"):
-            engine.generate(["x"], mode="async")
-        streams = [engine.submit("x", max_new_tokens=3) for _ in range(2)]
+            server.generate(["x"], mode="async")
+        streams = [server.submit("x", max_new_tokens=3) for _ in range(2)]
         with pytest.raises(QueueFull):
             for _ in range(4):
-                streams.append(engine.submit("x", max_new_tokens=3))
+                streams.append(server.submit("x", max_new_tokens=3))
         for s in streams:
             s.wait(30)
 
@@ -321,11 +321,11 @@ def test_one_engine_many_callers_without_serving(tiny):
 
 def test_generate_while_serving_goes_through_submit(tiny, engine):
     refs = minibatch.generate(tiny, PROMPTS[:3], max_new_tokens=8, temperature=0.8, seed=3)
-    with engine.serving("async", max_batch_size=4):
+    with Serving(engine, "async", max_batch_size=4) as server:
         outs = [None, None]
 
         def call(i):
-            outs[i] = engine.generate(PROMPTS[:3], max_new_tokens=8, temperature=0.8, seed=3, mode="async")
+            outs[i] = server.generate(PROMPTS[:3], max_new_tokens=8, temperature=0.8, seed=3, mode="async")
 
         ts = [threading.Thread(target=call, args=(i,)) for i in range(2)]
         for t in ts:
@@ -337,10 +337,10 @@ def test_generate_while_serving_goes_through_submit(tiny, engine):
 
 def test_arrivals_are_marked_on_the_timeline(tiny):
     tl = minibatch.Timeline()
-    with minibatch.Engine(tiny) as engine, engine.serving("async", max_batch_size=2, timeline=tl):
-        engine.submit("x", max_new_tokens=3).wait(30)
+    with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=2, timeline=tl) as server:
+        server.submit("x", max_new_tokens=3).wait(30)
         time.sleep(0.02)
-        engine.submit("y", max_new_tokens=3).wait(30)
+        server.submit("y", max_new_tokens=3).wait(30)
     assert [label for _, label in tl.marks] == ["request 0", "request 1"]
     assert tl.marks[0][0] < tl.marks[1][0] and minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
 
@@ -361,17 +361,17 @@ def test_online_equals_offline_on_the_gpu(mode):
         check_workload(model, work, {**limits, "cuda_graphs": True}, mode, seed)
     # a serving run graphs decode steps only (by default), captures them lazily and says how long
     # the captures held its loop
-    with minibatch.Engine(model) as engine, engine.serving(mode=mode):
-        engine.submit(list(range(1, 40)), max_new_tokens=6, temperature=0.0).wait(120)
-        stats = engine.stats()
-        assert engine.loop.run.runner.capacity is None  # prefill and mixed steps unpadded: never graphed
+    with minibatch.Engine(model) as engine, Serving(engine, mode=mode) as server:
+        server.submit(list(range(1, 40)), max_new_tokens=6, temperature=0.0).wait(120)
+        stats = server.stats()
+        assert server.loop.run.runner.capacity is None  # prefill and mixed steps unpadded: never graphed
     assert stats["graph_captures"] > 0 and stats["graph_capture_s"] > 0, stats
 
 
 def test_an_update_wakes_each_event_loop_once():
     """ServingLoop.deliver gathers the wake-ups of every stream a step fed (stream.Wakeups): an asyncio reader
     costs the engine's thread one call_soon_threadsafe per event loop and update, not one per stream."""
-    from minibatch.core.stream import Chunk, TokenStream, Wakeups
+    from minibatch.serving.stream import Chunk, TokenStream, Wakeups
 
     loop = asyncio.new_event_loop()
     calls = []
@@ -413,11 +413,11 @@ def test_the_loop_cpu_seconds_count_a_turn_in_progress_and_never_go_back(tiny):
     """stats()["loop_cpu_s"] (ServingLoop.cpu_s) reads the loop thread's own CPU clock: while a turn
     runs it counts that turn, and after the thread has ended it keeps the whole, never a smaller value."""
     engine = minibatch.Engine(tiny)
-    with engine.serving(mode="async"):
-        loop = engine.loop
-        engine.submit([1, 2, 3], max_new_tokens=8).wait()
+    with Serving(engine, mode="async") as server:
+        loop = server.loop
+        server.submit([1, 2, 3], max_new_tokens=8).wait()
         seen = [loop.cpu_s]
-        stream = engine.submit([4, 5, 6], max_new_tokens=400)
+        stream = server.submit([4, 5, 6], max_new_tokens=400)
         while not stream.done:
             seen.append(loop.cpu_s)
             time.sleep(0.01)

@@ -24,8 +24,6 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     carry_over.py   where batch N's sampled tokens go in batch N+1 (placeholders + mask)          05
     async_loop.py   one step of the asynchronous loop: launch N+1, then wait for N                06
     compat.py       every private PyTorch or CPython hook, one function each                     07
-    serving_loop.py ServingLoop: the engine's turns in a background thread, taking submits       08
-    stream.py       TokenStream: one request's tokens as they are made (threads and asyncio)     08
 
 Plugged in from outside, each importing the core and never the reverse:
 
@@ -34,6 +32,8 @@ Plugged in from outside, each importing the core and never the reverse:
     model/     a transformers causal LM set up for the paged KV cache (what Engine asks of a model:
                engine.MODEL_NEEDS); the Triton decode attention
     speed/     torch.compile'd decode steps and merged sibling projections (Model.compiled_step)
-    serving/   the OpenAI-compatible HTTP server and bench-serve
+    serving/   requests that arrive while the engine runs (Serving: engine.open_run stepped from a
+               thread of its own, a TokenStream per request), the OpenAI-compatible HTTP server
+               and bench-serve
     tools/     the CLI, bench, floors
 """

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .args import _bool, _int, _number
-from .requests import FIELDS as SAMPLING_FIELDS
+from .requests import FIELDS as SAMPLING_FIELDS, SamplingParams
 from .memory import check_memory, run_sizes
 
 MODES = ("sync", "async")
@@ -125,8 +125,8 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 def serving_config(model, config: EngineConfig, reusable_bytes: int = 0) -> RunConfig:
     """A serving run's RunConfig: sized once, for `max_batch_size` requests (default 8) of the model's
     whole context (or `num_blocks` KV blocks), and checked as make_config checks any run.
-    `Engine.serving` opens its run with it; a server calls it before it listens, so bad limits are
-    refused before any client connects.
+    `Serving` (minibatch/serving/loop.py) opens its run with it; a server calls it before it
+    listens, so bad limits are refused before any client connects.
 
     CUDA graphs default to decode steps only here (`cuda_graphs="decode"`), where an offline run
     graphs every step: a serving run's prefill and mixed steps take their shapes from when requests
@@ -176,15 +176,29 @@ def make_config(model, config: EngineConfig, lengths: list[int], max_new_tokens:
                      config.inject_delays)
 
 
-def split_options(options: Mapping[str, Any], where: str) -> tuple[dict, dict]:
-    """Keyword options -> (SamplingParams fields, EngineConfig fields); a name that is neither is
-    refused as Python refuses an unexpected keyword argument, naming both lists."""
+def split_options(params, config, options: Mapping[str, Any], where: str) -> tuple[SamplingParams, "EngineConfig"]:
+    """(a SamplingParams, an EngineConfig): `params` and `config` (or their defaults) with the keyword
+    `options` applied, each name to the one of the two that has it; a name that neither has is refused
+    as Python refuses an unexpected keyword argument, naming both lists."""
     unknown = sorted(set(options) - SAMPLING_FIELDS - FIELDS)
     if unknown:
         raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: per-request options are "
                         f"{sorted(SAMPLING_FIELDS)} (SamplingParams), per-run options {sorted(FIELDS)} (EngineConfig)")
-    return ({k: v for k, v in options.items() if k in SAMPLING_FIELDS},
-            {k: v for k, v in options.items() if k in FIELDS})
+    return (with_options(SamplingParams, params, {k: v for k, v in options.items() if k in SAMPLING_FIELDS}, where),
+            with_options(EngineConfig, config, {k: v for k, v in options.items() if k in FIELDS}, where))
+
+
+def with_options(cls, given, options: Mapping[str, Any], where: str):
+    """`given` (a `cls`: SamplingParams or EngineConfig; None for its defaults) with `options` (fields
+    of `cls` by name) changed, checked again."""
+    if given is not None and not isinstance(given, cls):
+        raise TypeError(f"{where} takes a minibatch {cls.__name__} or None, got {given!r}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
+                        f"{sorted(fields)} ({cls.__name__})")
+    return (given or cls()).replace(**options)
 
 
 def _block_size(model, block_size: Any) -> int:

@@ -9,10 +9,9 @@ loops it steps are notebooks 01 and 06, serving is notebook 08).
     engine.close()
 
 `engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
-wrapper that builds an engine for one call. `engine.serving(...)` opens a run sized once for
-requests that arrive while it lasts: its loop turns in a background thread, `engine.submit(...)`
-hands it a request from any thread and returns a TokenStream of its tokens (serving_loop.py, stream.py);
-`generate` called meanwhile submits into it. Keep an engine to keep its resources: CUDA graphs are
+wrapper that builds an engine for one call. Serving requests that arrive while it runs is a plug-in
+(minibatch/serving/loop.py, notebook 08): `Serving(engine)` opens a run sized once
+(`open_run`) and steps it from a background thread. Keep an engine to keep its resources: CUDA graphs are
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.
 Resources are dropped only after the device has finished with them.
@@ -21,14 +20,13 @@ starts from a fresh device and captures again, since graphs and the cpu device p
 otherwise keep computing with the old ones.
 
 The sync and async loops share everything here; `mode` only picks which step function runs
-(sync_loop.sync_step or async_loop.async_step). One engine runs one run at a time: a second
-`generate` from another thread (or from inside `on_step`) is refused with a clear error, unless the
-engine is serving, where every call becomes a submit.
+(sync_loop.sync_step or async_loop.async_step). One engine runs one run at a time (`exclusive`): a
+second `generate` from another thread (or from inside `on_step`) is refused with a clear error; to
+serve many callers, serve them (`Serving(engine).submit` or `.generate`, from any thread).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,12 +43,9 @@ from .graphs import StepRunner
 from .timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
-from .config import EngineConfig, RunConfig, Shape, make_config, serving_config, split_options
-from .serving_loop import ServingLoop
-from .stream import TokenStream
+from .config import EngineConfig, RunConfig, Shape, make_config, split_options, with_options
 from .sync_loop import sync_step
 
-SERVING_TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
 
 STEPS = {"sync": sync_step, "async": async_step}
 # what the engine asks of a model (minibatch.model.Model has it all): a model is plugged in, not imported
@@ -112,7 +107,6 @@ class Engine:
         self.dev = None  # opened on first use, kept until close()
         self.kept: OrderedDict[Shape, Resources] = OrderedDict()
         self.run: Run | None = None
-        self.loop: ServingLoop | None = None  # while serving
         self._busy = threading.Lock()  # held by the run in progress (a generate, or a serving context)
         self._compiled = None  # the model's compiled decode step, made at the first compiled run
         self._weights_seen: tuple | None = None  # where the weights were, and their versions, at the last run
@@ -126,13 +120,21 @@ class Engine:
         default, or "async") is one of them, first for short."""
         if not requests or not all(isinstance(r, Request) for r in requests):
             raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
-        config = _made(EngineConfig, config, options if mode is None else {**options, "mode": mode}, "start()")
+        config = with_options(EngineConfig, config, options if mode is None else {**options, "mode": mode}, "start()")
         run_config = make_config(self.model, config, [len(r.prompt) for r in requests],
                                  max(r.max_new_tokens for r in requests))
-        return self._open(run_config, requests, timeline, on_step)
+        return self.open_run(run_config, requests, timeline, on_step)
 
-    def _open(self, config: RunConfig, requests: list[Request], timeline: Timeline | None,
-              on_step: Callable | None) -> Run:
+    @property
+    def kept_bytes(self) -> int:
+        """Device bytes the kept resources hold: a new run of another shape reuses or frees them."""
+        return sum(r.cache.nbytes for r in self.kept.values())
+
+    def open_run(self, config: RunConfig, requests: list[Request], timeline: Timeline | None = None,
+                 on_step: Callable | None = None) -> Run:
+        """Open a run of a checked RunConfig (config.make_config, or serving_config for a run that takes
+        requests while it lasts: `scheduler.add`); `step()` then advances it. Hold `exclusive()` around
+        it, as generate does."""
         self._weights_changed()
         dev = self._device()
         timeline = timeline if timeline is not None else Timeline()
@@ -178,118 +180,37 @@ class Engine:
         `arrival_steps[i]` (optional) is the step at which prompt i reaches the scheduler, to
         simulate requests arriving while the loop runs. `on_step(plan, finished)` is called on the
         host after each step's tokens are applied (live plots); `progress` shows a bar over finished
-        requests. While the engine is serving, the prompts are submitted to it (its mode and limits
-        apply).
+        requests.
         """
-        params, config = _options(params, config, options, "generate()")
-        if self.loop is not None:
-            return self._generate_online(prompts, params, config)
+        params, config = split_options(params, config, options, "generate()")
         token_ids, params = check_prompts(self.model, prompts, params)
         arrival_steps = check_run(len(token_ids), arrival_steps=arrival_steps, timeline=timeline, on_step=on_step,
                                   progress=progress)
         run_config = make_config(self.model, config, [len(p) for p in token_ids], params.max_new_tokens,
-                                 sum(r.cache.nbytes for r in self.kept.values()))
+                                 self.kept_bytes)
         requests = [Request(i, p, params.replace(seed=params.seed + i), arrival_step=step)
                     for i, (p, step) in enumerate(zip(token_ids, arrival_steps))]
-        with self._exclusive(), _progress(progress, len(requests), config.mode) as bar:
+        with self.exclusive(), _progress(progress, len(requests), config.mode) as bar:
             try:
-                run = self._open(run_config, requests, timeline, on_step)
+                run = self.open_run(run_config, requests, timeline, on_step)
                 while run.scheduler.has_work():
                     finished = self.step()
                     if bar is not None and finished:
                         bar.update(len(finished))
                 self.finish()
             except BaseException:
-                self._abandon()
+                self.abandon()
                 raise
         return [r.output for r in requests]
 
-    def _generate_online(self, prompts, params: SamplingParams, config: EngineConfig) -> list[list[int]]:
-        if config.mode != self.loop.run.mode:
-            raise ValueError(f"this engine is serving in {self.loop.run.mode!r} mode; generate(mode={config.mode!r}) "
-                             "cannot run beside it (leave serving() first, or use its mode)")
-        token_ids, params = check_prompts(self.model, prompts, params)
-        streams = [self.submit(p, params.replace(seed=params.seed + i)) for i, p in enumerate(token_ids)]
-        return [s.wait().token_ids for s in streams]
-
-    # --- serving: requests that arrive while the loop runs -------------------------------------------
     @contextmanager
-    def serving(self, mode: str | None = None, config: EngineConfig | None = None, *, max_queue: int | None = None,
-                timeline: Timeline | None = None, **options):
-        """Serve requests submitted while the `with` block lasts, from a loop in a background thread.
-
-        The run is sized once, for `max_batch_size` requests (default 8) of the model's whole context
-        (or `num_blocks` KV blocks), and checked against free memory; its KV cache, IO slots and CUDA
-        graphs serve every request. `config` and `options` are generate's run options (EngineConfig),
-        except that CUDA graphs default to decode steps only (config.serving_config says why).
-        `mode` is "async" unless `config` or `mode` says otherwise. `max_queue` bounds the requests
-        waiting for a seat (submit raises QueueFull beyond it). Leaving the block ends every open
-        stream ("cancelled") and joins the thread.
-        """
-        mode = mode or (config.mode if config is not None else "async")
-        config = _made(EngineConfig, config, {**options, "mode": mode}, "serving()")
-        run_config = serving_config(self.model, config, sum(r.cache.nbytes for r in self.kept.values()))
-        with self._exclusive():
-            run = self._open(run_config, [], timeline if timeline is not None else Timeline(limit=SERVING_TIMELINE_LIMIT),
-                             None)
-            self.loop = ServingLoop(self, run, max_queue)
-            self.loop.start_thread()
-            try:
-                yield self
-            finally:
-                loop, self.loop = self.loop, None
-                loop.close()
-                if loop.error is None:
-                    self.finish()
-                else:
-                    self._abandon()
-
-    def submit(self, prompt, params: SamplingParams | None = None, **options) -> TokenStream:
-        """Hand one request to the serving loop, from any thread; returns its TokenStream at once.
-
-        `params` (a SamplingParams) and `options` (its fields by name) mean what they mean in
-        `generate`: a request submitted with seed S gives the tokens `generate([prompt], seed=S)`
-        gives; `stop` strings end it when its text contains one (the text ends before it). A request
-        that could never fit in the KV cache is refused here.
-        """
-        loop = self.loop
-        if loop is None:
-            raise RuntimeError("submit needs a serving engine: `with engine.serving(): engine.submit(...)`")
-        params = _made(SamplingParams, params, options, "submit()")
-        (ids,), params = check_prompts(self.model, [prompt], params)
-        request = Request(next(loop.rids), ids, params)
-        allocator = loop.run.scheduler.allocator
-        if allocator.blocks_for(request.max_len) > allocator.num_blocks:
-            raise ValueError(f"this request needs {request.max_len} tokens of KV cache but the serving cache holds "
-                             f"{allocator.num_blocks * allocator.block_size}: it could never run (raise num_blocks)")
-        return loop.submit(request, TokenStream(request.rid, len(ids)), self.model.tokenizer)
-
-    def stats(self) -> dict:
-        """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
-        without stopping the loop). A graph is captured the first time a step shape comes up: captures
-        that keep growing under load are steps that ran slower than a replay would, and
-        `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
-        compile=True also the torch.compile of a new shape, which happens in the warm-up step).
-        `loop_cpu_s`: the CPU seconds the loop's thread has run (a server's HTTP thread shares the
-        interpreter's lock with it: together they tell how much of it was left)."""
-        if self.loop is None:
-            return {"serving": False}
-        run = self.loop.run
-        s = run.scheduler
-        return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
-                "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
-                "waiting": len(s.waiting) + len(self.loop.inbox), "steps": s.step,
-                "graph_captures": len(run.runner.captures),
-                "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),
-                "loop_cpu_s": round(self.loop.cpu_s, 3)}
-
-    @contextmanager
-    def _exclusive(self):
+    def exclusive(self):
+        """Hold the engine for one run (a generate, or a serving context): a second is refused."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this engine is busy with another run (a generate from another thread or from "
                                "inside on_step, or a serving context): one engine runs one run at a time. "
-                               "To serve several callers, open `with engine.serving():` and submit or generate "
-                               "from any thread")
+                               "To serve several callers, open `with Serving(engine) as server:` "
+                               "(minibatch.serving) and submit or generate through it from any thread")
         try:
             yield
         finally:
@@ -327,7 +248,7 @@ class Engine:
         self.kept[shape] = Resources(cache, slots, runner)
         return self.kept[shape]
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """After a failed or interrupted run: wait for the device (bounded), then drop what the run used.
 
         Its KV cache still counts blocks as owned, so the set is not reused. If the device failed or
@@ -400,23 +321,6 @@ def _progress(on: bool, total: int, mode: str):
         yield bar
     finally:
         bar.close()
-
-
-def _options(params, config, options: dict, where: str) -> tuple[SamplingParams, EngineConfig]:
-    sampling, engine = split_options(options, where)
-    return _made(SamplingParams, params, sampling, where), _made(EngineConfig, config, engine, where)
-
-
-def _made(cls, given, options: dict, where: str):
-    """`given` (a `cls`, or None for its defaults) with `options` (fields of `cls` by name) changed."""
-    if given is not None and not isinstance(given, cls):
-        raise TypeError(f"{where} takes a minibatch {cls.__name__} or None, got {given!r}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}: its options are "
-                        f"{sorted(fields)} ({cls.__name__})")
-    return (given or cls()).replace(**options)
 
 
 def generate(model, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:

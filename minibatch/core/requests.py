@@ -35,7 +35,7 @@ class RequestState(enum.Enum):
 class SamplingParams:
     """How one request is continued: the one list of per-request options, checked once, here.
 
-    `generate(..., temperature=0.7)`, `Engine.submit(...)` and the HTTP server all build one of
+    `generate(..., temperature=0.7)`, `Serving.submit(...)` and the HTTP server all build one of
     these, so a bad value gets the same error wherever it comes from. temperature == 0 means greedy
     (argmax); `top_k=0` and `top_p=1.0` switch those filters off. Generation stops at an
     `eos_token_id` (kept in the output), after `max_new_tokens`, or (online) where the text holds

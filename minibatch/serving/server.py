@@ -9,7 +9,7 @@ cancelled because their client hung up). The request bodies
 and their checks are protocol.py's.
 
 One engine, sized once, runs its loop in a background thread for the server's whole life (FastAPI's
-lifespan); each request is one `engine.submit(...)`, and its stream is read on the event loop without
+lifespan); each request is one `Serving.submit(...)` (loop.py), and its stream is read on the event loop without
 blocking it. A client that hangs up cancels its request (the engine frees its KV blocks at the next
 update); a full queue answers 503 with Retry-After. SIGINT or SIGTERM: the listening socket closes,
 open streams end (finish_reason "abort"), and the process exits with status 0.
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..core.requests import SamplingParams
-from ..core.serving_loop import QueueFull
+from .loop import QueueFull, Serving
 from . import protocol
 from .protocol import BadRequest, Params
 
@@ -51,7 +51,7 @@ class ServerState:
         self.model, self.name, self.eos, self.serving = model, name, eos, serving
         self.timeline_path, self.gc_freeze = timeline_path, gc_freeze
         self.http = http  # uvicorn's HTTP parser, as serve was asked for it
-        self.engine = None
+        self.served = None  # the Serving the endpoints submit to, while the engine serves
         self.open: set = set()  # streams not yet finished or given up
         self.cancelled = 0  # requests cancelled because their client hung up
         self.created = int(time.time())
@@ -101,7 +101,7 @@ class ServerState:
         try:
             params = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed,
                                     max_new_tokens=max_tokens, eos_token_id=self.eos, stop=tuple(p.stop + extra_stop))
-            s = self.engine.submit(ids, params)
+            s = self.served.submit(ids, params)
         except ValueError as e:  # the engine names its argument: translate it to the client's name
             param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
             raise BadRequest(str(e), param) from None
@@ -188,7 +188,7 @@ def _warm_up(state: ServerState) -> None:
     on them."""
     ids = list(range(1, min(9, state.model.vocab_size)))
     for variant in _VARIANTS if state.serving.get("compile") else _VARIANTS[:1]:
-        state.engine.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
+        state.served.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
 
 
 def _freeze_heap() -> int:
@@ -212,33 +212,34 @@ def _http_stack(http: str) -> str:
 
 def _lifespan(state: ServerState):
     """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved after."""
-    from ..core.engine import SERVING_TIMELINE_LIMIT, Engine
+    from ..core.engine import Engine
+    from .loop import TIMELINE_LIMIT
 
     @asynccontextmanager
     async def lifespan(app):
         from ..core.timeline import Timeline
 
-        timeline = Timeline(limit=SERVING_TIMELINE_LIMIT)  # the engine's default, held here to be saved
+        timeline = Timeline(limit=TIMELINE_LIMIT)  # Serving's default, held here to be saved
         try:
-            with timeline.gc_pauses(), Engine(state.model) as engine, engine.serving(**state.serving,
-                                                                                     timeline=timeline):
-                state.engine = engine
+            with timeline.gc_pauses(), Engine(state.model) as engine, Serving(engine, **state.serving,
+                                                                              timeline=timeline) as served:
+                state.served = served
                 await asyncio.to_thread(_warm_up, state)
                 frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.gc_freeze else ""
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
                       f"({_http_stack(state.http)}); ready{frozen}", file=sys.stderr, flush=True)
-                ready = time.monotonic(), time.thread_time(), engine.stats()["loop_cpu_s"]
+                ready = time.monotonic(), time.thread_time(), served.stats()["loop_cpu_s"]
                 try:
                     yield
                 finally:
                     state.cancel_all()
-                    stats = engine.stats()
+                    stats = served.stats()
                     print(f"minibatch: stopping; {stats}", file=sys.stderr, flush=True)
                     print(f"minibatch: since ready: {time.monotonic() - ready[0]:.1f} s, CPU seconds of the HTTP "
                           f"thread {time.thread_time() - ready[1]:.3f} and of the engine's loop "
                           f"{stats['loop_cpu_s'] - ready[2]:.3f} (they share one interpreter lock)",
                           file=sys.stderr, flush=True)
-                    state.engine = None
+                    state.served = None
         finally:  # also after a failure: the steps before it are what explains it
             gc.unfreeze()  # what the engine held in reference cycles can go now
             if state.timeline_path is not None:
@@ -279,9 +280,9 @@ def create_app(state: ServerState):
 
     @app.get("/health")
     async def health():
-        if state.engine is None:
+        if state.served is None:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", **state.engine.stats(), "cancelled": state.cancelled, "gc_frozen": gc.get_freeze_count()}
+        return {"status": "ok", **state.served.stats(), "cancelled": state.cancelled, "gc_frozen": gc.get_freeze_count()}
 
     return app
 

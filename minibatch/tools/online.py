@@ -4,7 +4,7 @@ latency, sync against async (notebook 08; `scripts/online_bench.py` runs it on a
     arrivals   ▼    ▼ ▼         ▼      ▼  ▼        (exponential gaps, mean 1/rate; rate inf: all at once)
     request    ├─TTFT─┤ tok ├ITL┤ tok ├ITL┤ tok … (time to first token, gaps between tokens)
 
-Everything is measured from the streams' own timestamps (core/stream.py): TTFT from submit to the
+Everything is measured from the streams' own timestamps (serving/stream.py): TTFT from submit to the
 first token, ITL between consecutive tokens, end-to-end from submit to the last. Throughput counts
 generated tokens over the span from the first submit to the last token. What the overlap trades:
 every gap between tokens loses the host's share of a step (ITL down), while a request that arrives
@@ -27,16 +27,16 @@ def arrival_times(n: int, rate: float, seed: int = 0, burstiness: float = 1.0) -
     return bench_serve.arrival_times(n, rate, burstiness, random.Random(seed))
 
 
-def run_arrivals(engine, prompts: list, rate: float, max_new_tokens: int, seed: int = 0,
+def run_arrivals(server, prompts: list, rate: float, max_new_tokens: int, seed: int = 0,
                  progress=None) -> list:
-    """Submit prompts to a serving engine at Poisson arrival times (from a thread of their own, as
+    """Submit prompts to a serving engine (a serving.loop.Serving) at Poisson arrival times (from a thread of their own, as
     clients would); wait for every stream; return the streams in submission order."""
     times = arrival_times(len(prompts), rate, seed)
     streams: list = []
     start = time.perf_counter()
     for prompt, at in zip(prompts, times):
         time.sleep(max(0.0, start + at - time.perf_counter()))
-        streams.append(engine.submit(prompt, max_new_tokens=max_new_tokens))
+        streams.append(server.submit(prompt, max_new_tokens=max_new_tokens))
     for s in streams:
         s.wait()
         if progress is not None:
@@ -65,6 +65,7 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
     """For each mode and rate, one serving run of `prompts` at that rate: a row of `summarize` each.
     A warm-up pass (all at once) first fills the caches and captures the CUDA graphs of each mode."""
     from ..core.engine import Engine
+    from ..serving.loop import Serving
 
     rows = []
     bar = None
@@ -73,11 +74,11 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
         bar = tqdm(total=len(modes) * len(rates) * len(prompts), desc="online", unit="req")
     with Engine(model) as engine:
         for mode in modes:
-            with engine.serving(mode, **serving):
+            with Serving(engine, mode, **serving) as server:
                 if warmup:
-                    run_arrivals(engine, prompts, math.inf, max_new_tokens, seed)
+                    run_arrivals(server, prompts, math.inf, max_new_tokens, seed)
                 for rate in rates:
-                    streams = run_arrivals(engine, prompts, rate, max_new_tokens, seed, bar)
+                    streams = run_arrivals(server, prompts, rate, max_new_tokens, seed, bar)
                     rows.append({"mode": mode, "rate": rate, **summarize(streams)})
     if bar is not None:
         bar.close()

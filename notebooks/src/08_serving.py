@@ -21,6 +21,7 @@ import torch
 
 import minibatch
 from minibatch.core.timeline import Timeline
+from minibatch.serving.loop import Serving
 from minibatch.tools.online import arrival_times, compare, summarize
 
 torch.manual_seed(0)
@@ -76,22 +77,24 @@ time.sleep(0.2)
 print("".join(a), "".join(b))
 
 # %% [markdown]
-# The package does the same with the real loop (`minibatch/core/serving_loop.py`): a turn takes what
-# arrived and honours cancels, runs one `sync_step` or `async_step` of the earlier chapters, and
-# delivers each request's tokens to its `TokenStream` (`minibatch/core/stream.py`). The engine is sized
-# once for the whole serving context, for `max_batch_size` requests of the model's context: its KV
-# cache, IO slots and (on a GPU) CUDA graphs serve every request that comes.
+# The package does the same with the real loop (`minibatch/serving/loop.py`): a turn takes what
+# arrived and honours cancels, runs one `engine.step()` (the `sync_step` or `async_step` of the
+# earlier chapters), and delivers the tokens that step applied to each request's `TokenStream`
+# (`minibatch/serving/stream.py`). It is a plug-in: the engine of the earlier chapters does not know
+# it exists; the loop calls the engine, never the reverse. The engine is sized once for the whole
+# serving context, for `max_batch_size` requests of the model's context: its KV cache, IO slots and
+# (on a GPU) CUDA graphs serve every request that comes.
 #
 # ## 2. Submit, stream, cancel
 #
-# `engine.serving(...)` starts the loop thread for the length of a `with` block; `engine.submit`
-# returns a stream at once. Iterating the stream gives chunks as they are made, each with its
+# `Serving(engine, ...)` starts the loop thread for the length of a `with` block; its `submit`
+# returns a stream at once, from any thread. Iterating the stream gives chunks as they are made, each with its
 # new tokens and the text they add:
 
 # %%
 engine = minibatch.Engine(model)
-with engine.serving(mode="async", max_batch_size=8):
-    s = engine.submit("The for statement", max_new_tokens=48, stop=["\n\n"])
+with Serving(engine, mode="async", max_batch_size=8) as serving:
+    s = serving.submit("The for statement", max_new_tokens=48, stop=["\n\n"])
     for chunk in s:
         print(chunk.text, end="", flush=True)
     print()
@@ -115,10 +118,10 @@ with engine.serving(mode="async", max_batch_size=8):
 # %%
 tl = Timeline()
 prompts = ["A class definition", "Exceptions are raised", "The import system"]
-with engine.serving(mode="async", max_batch_size=8, timeline=tl):
+with Serving(engine, mode="async", max_batch_size=8, timeline=tl) as serving:
     streams = []
     for p, n in zip(prompts, (40, 400, 40)):
-        streams.append(engine.submit(p, max_new_tokens=n))
+        streams.append(serving.submit(p, max_new_tokens=n))
         time.sleep(0.05)                   # the next request arrives while the others decode
     streams[1].cancel()                    # at most two more chunks arrive after this
     for s in streams:
@@ -347,7 +350,7 @@ fig.savefig(f"{FIGURES}/08_http_gpu.png", dpi=110)
 # comes up: the step runs eagerly, the device drains, the step is recorded and replayed, and every
 # request waits meanwhile. Offline, the shapes repeat. In a server, a prefill or mixed step's shape
 # (its token and key buckets) follows when requests happened to arrive, so new shapes keep coming.
-# `engine.stats()` counts the captures (`graph_captures`) and the seconds they held the loop
+# `Serving.stats()` counts the captures (`graph_captures`) and the seconds they held the loop
 # (`graph_capture_s`); the server prints both as it stops. A second H200 run compared graphing
 # every step with graphing decode steps only (`serve --cuda-graphs decode`: prefill and mixed steps
 # run eagerly), each server at the four rates and then, after an untimed pass of the whole workload

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from minibatch.core.stream import Chunk, TokenStream, Wakeups  # noqa: E402
+from minibatch.serving.stream import Chunk, TokenStream, Wakeups  # noqa: E402
 
 
 def run(streams_n: int, steps: int, step_s: float, gathered: bool) -> dict:

@@ -1,6 +1,13 @@
-"""The loop that serves requests arriving while it runs, in a thread of its own (notebook 08).
+"""An engine serving requests that arrive while it runs, from a loop in a thread of its own (notebook 08).
 
-While serving, every caller goes through one loop. A turn of it:
+    with Engine(model) as engine, Serving(engine, "async", max_batch_size=8) as server:
+        stream = server.submit("The for statement", max_new_tokens=48)   # from any thread, at any time
+        for chunk in stream:
+            print(chunk.text, end="")
+
+A plug-in: the core's Engine knows nothing of it. `Serving` holds the engine for as long as it lasts
+(`engine.exclusive`), opens one run sized for requests not known in advance (`serving_config`,
+`engine.open_run`) and steps it from a `ServingLoop`. Every caller goes through that loop. A turn:
 
     take what arrived ─▶ scheduler.add, and honour cancels     (under the lock, at a step boundary)
     one step           ─▶ engine.step(): sync_step or async_step (schedule → launch → wait → update)
@@ -8,11 +15,10 @@ While serving, every caller goes through one loop. A turn of it:
                           strings end requests here
 
 The loop calls the engine, never the reverse: a step leaves the plan whose tokens it applied in
-`run.applied`, and the loop reads it when the step returns. `Engine.serving()` runs turns in a
-background thread for as long as its `with` block lasts, so that `Engine.submit` can hand it
-requests from any thread at any moment; with nothing to do the thread sleeps on a condition (it
-never spins) and `submit` wakes it. An offline `generate` needs none of this: it steps the engine in
-the calling thread until its requests are done (so Ctrl-C lands where it always did).
+`run.applied`, and the loop reads it when the step returns. The loop's thread turns for as long as
+the `with` block lasts, so that `submit` can hand it requests from any thread at any moment; with
+nothing to do it sleeps on a condition (it never spins) and `submit` wakes it. An offline `generate`
+needs none of this: it steps the engine in the calling thread until its requests are done.
 
 What overlap changes online: the async loop plans step N+1 before step N's tokens are back, so a
 request that arrives now joins at the next planning, one step in flight later; and a request that
@@ -27,8 +33,13 @@ import threading
 import time
 from collections import deque
 
-from .requests import Request, RequestState
+from ..core.checks import check_prompts
+from ..core.config import EngineConfig, serving_config, split_options, with_options
+from ..core.requests import Request, RequestState, SamplingParams
+from ..core.timeline import Timeline
 from .stream import Chunk, Detokenizer, TokenStream, Wakeups
+
+TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
 
 
 class QueueFull(RuntimeError):
@@ -71,9 +82,9 @@ class ServingLoop:
     def _check_open(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine's loop has failed ({type(self.error).__name__}: {self.error}); "
-                               "leave serving() and open it again") from self.error
+                               "leave the Serving block and open a new one") from self.error
         if self.closing:
-            raise RuntimeError("the engine is not serving any more: submit inside `with engine.serving():`")
+            raise RuntimeError("the engine is not serving any more: submit inside `with Serving(engine) as server:`")
 
     # --- the loop (one thread) --------------------------------------------------------------------
     def turn(self) -> int:
@@ -198,3 +209,103 @@ class ServingLoop:
             self.cond.notify()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
+
+
+class Serving:
+    """Serve requests submitted while a `with` block lasts, from a loop in a background thread.
+
+    The run is sized once, for `max_batch_size` requests (default 8) of the model's whole context
+    (or `num_blocks` KV blocks), and checked against free memory as the Serving is made; its KV
+    cache, IO slots and CUDA graphs serve every request. `config` and `options` are generate's run
+    options (EngineConfig), except that CUDA graphs default to decode steps only (serving_config
+    says why); `mode` is "async" unless `config` or `mode` says otherwise. `max_queue` bounds the
+    requests waiting for a seat (submit raises QueueFull beyond it). Leaving the block ends every
+    open stream ("cancelled") and joins the thread.
+    """
+
+    def __init__(self, engine, mode: str | None = None, config: EngineConfig | None = None, *,
+                 max_queue: int | None = None, timeline: Timeline | None = None, **options) -> None:
+        mode = mode or (config.mode if config is not None else "async")
+        self.engine, self.max_queue = engine, max_queue
+        self.config = with_options(EngineConfig, config, {**options, "mode": mode}, "Serving()")
+        self.run_config = serving_config(engine.model, self.config, engine.kept_bytes)
+        self.timeline = timeline if timeline is not None else Timeline(limit=TIMELINE_LIMIT)
+        self.loop: ServingLoop | None = None
+        self._hold = None
+
+    def __enter__(self) -> "Serving":
+        hold = self.engine.exclusive()
+        hold.__enter__()
+        try:
+            run = self.engine.open_run(self.run_config, [], self.timeline)
+            self.loop = ServingLoop(self.engine, run, self.max_queue)
+            self.loop.start_thread()
+        except BaseException:
+            hold.__exit__(None, None, None)
+            raise
+        self._hold = hold
+        return self
+
+    def __exit__(self, *exc) -> None:
+        loop, self.loop = self.loop, None
+        try:
+            loop.close()
+            if loop.error is None:
+                self.engine.finish()
+            else:
+                self.engine.abandon()
+        finally:
+            hold, self._hold = self._hold, None
+            hold.__exit__(None, None, None)
+
+    def submit(self, prompt, params: SamplingParams | None = None, **options) -> TokenStream:
+        """Hand one request to the serving loop, from any thread; returns its TokenStream at once.
+
+        `params` (a SamplingParams) and `options` (its fields by name) mean what they mean in
+        `generate`: a request submitted with seed S gives the tokens `generate([prompt], seed=S)`
+        gives; `stop` strings end it when its text contains one (the text ends before it). A request
+        that could never fit in the KV cache is refused here.
+        """
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError("submit needs a serving engine: `with Serving(engine) as server: server.submit(...)`")
+        model = self.engine.model
+        params = with_options(SamplingParams, params, options, "submit()")
+        (ids,), params = check_prompts(model, [prompt], params)
+        request = Request(next(loop.rids), ids, params)
+        allocator = loop.run.scheduler.allocator
+        if allocator.blocks_for(request.max_len) > allocator.num_blocks:
+            raise ValueError(f"this request needs {request.max_len} tokens of KV cache but the serving cache holds "
+                             f"{allocator.num_blocks * allocator.block_size}: it could never run (raise num_blocks)")
+        return loop.submit(request, TokenStream(request.rid, len(ids)), model.tokenizer)
+
+    def generate(self, prompts, params: SamplingParams | None = None, **options) -> list[list[int]]:
+        """`Engine.generate` for callers of a serving engine: each prompt submitted (prompt i seeded
+        seed + i), the new tokens of each returned in order; any thread may call it at once."""
+        params, config = split_options(params, None, options, "generate()")
+        if "mode" in options and config.mode != self.config.mode:
+            raise ValueError(f"this engine is serving in {self.config.mode!r} mode; generate(mode={config.mode!r}) "
+                             "cannot run beside it (leave the Serving block first, or use its mode)")
+        token_ids, params = check_prompts(self.engine.model, prompts, params)
+        streams = [self.submit(p, params.replace(seed=params.seed + i)) for i, p in enumerate(token_ids)]
+        return [s.wait().token_ids for s in streams]
+
+    def stats(self) -> dict:
+        """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
+        without stopping the loop). A graph is captured the first time a step shape comes up: captures
+        that keep growing under load are steps that ran slower than a replay would, and
+        `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
+        compile=True also the torch.compile of a new shape, which happens in the warm-up step).
+        `loop_cpu_s`: the CPU seconds the loop's thread has run (a server's HTTP thread shares the
+        interpreter's lock with it: together they tell how much of it was left)."""
+        loop = self.loop
+        if loop is None:
+            return {"serving": False}
+        run = loop.run
+        s = run.scheduler
+        return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
+                "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
+                "waiting": len(s.waiting) + len(loop.inbox), "steps": s.step,
+                "graph_captures": len(run.runner.captures),
+                "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),
+                "loop_cpu_s": round(loop.cpu_s, 3)}
