@@ -33,8 +33,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..core.engine import Engine
 from ..core.requests import SamplingParams
-from .loop import QueueFull, Serving
+from ..core.timeline import Timeline
+from .loop import TIMELINE_LIMIT, QueueFull, Serving
 from . import protocol
 from .protocol import BadRequest, Params
 
@@ -212,13 +214,9 @@ def _http_stack(http: str) -> str:
 
 def _lifespan(state: ServerState):
     """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved after."""
-    from ..core.engine import Engine
-    from .loop import TIMELINE_LIMIT
 
     @asynccontextmanager
     async def lifespan(app):
-        from ..core.timeline import Timeline
-
         timeline = Timeline(limit=TIMELINE_LIMIT)  # Serving's default, held here to be saved
         try:
             with timeline.gc_pauses(), Engine(state.model) as engine, Serving(engine, **state.serving,
