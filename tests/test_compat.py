@@ -1,5 +1,6 @@
-"""Each private PyTorch/CPython hook in minibatch/core/compat.py, exercised on the installed versions: a
-hook that stops doing what the package relies on fails here, by name."""
+"""Each private PyTorch/CPython hook of the package (the compat.py of minibatch/core, minibatch/devices and
+minibatch/speed), exercised on the installed versions: a hook that stops doing what the package relies
+on fails here, by name."""
 
 import gc
 import os
@@ -8,36 +9,38 @@ import numpy as np
 import pytest
 import torch
 
-from minibatch.core import compat
+from minibatch.core import compat as core_compat
+from minibatch.devices import compat as devices_compat
+from minibatch.speed import compat as speed_compat
 
 
 def test_tensor_version_counts_in_place_writes():
     t = torch.zeros(4)
-    before = compat.tensor_version(t)
+    before = speed_compat.tensor_version(t)
     t.add_(1)
     t[0] = 5.0
-    assert compat.tensor_version(t) == before + 2
+    assert speed_compat.tensor_version(t) == before + 2
     p = torch.nn.Parameter(torch.zeros(3))
-    v = compat.tensor_version(p)
+    v = speed_compat.tensor_version(p)
     with torch.no_grad():
         p.copy_(torch.ones(3))  # as load_state_dict writes weights: same address, new values
-    assert compat.tensor_version(p) > v
+    assert speed_compat.tensor_version(p) > v
     with torch.inference_mode():
-        assert compat.tensor_version(torch.zeros(2)) == -1  # no counter kept: the documented fallback
+        assert speed_compat.tensor_version(torch.zeros(2)) == -1  # no counter kept: the documented fallback
 
 
 def test_rebind_data_keeps_the_parameter_object():
     lin = torch.nn.Linear(3, 2)
     p = lin.weight
     block = torch.arange(12.0).reshape(4, 3)
-    compat.rebind_data(p, block[2:4])
+    speed_compat.rebind_data(p, block[2:4])
     assert lin.weight is p and isinstance(p, torch.nn.Parameter)  # the same object, a view of the block now
     assert p.data_ptr() == block[2:4].data_ptr()
     block[2, 0] = -7.0
     assert p[0, 0].item() == -7.0  # writes to the block show through
     assert torch.equal(lin(torch.eye(3)), torch.eye(3) @ block[2:4].T + lin.bias)
     with pytest.raises(ValueError, match="cannot stand in"):
-        compat.rebind_data(p, torch.zeros(3, 3))
+        speed_compat.rebind_data(p, torch.zeros(3, 3))
 
 
 def test_linear_is_what_dynamo_records():
@@ -51,10 +54,10 @@ def test_linear_is_what_dynamo_records():
     lin = torch.nn.Linear(4, 3)
     out = torch.compile(lin, backend=backend, fullgraph=True)(torch.randn(2, 4))
     assert out.shape == (2, 3)
-    assert any(t in compat.LINEAR_TARGETS for t in seen), seen
-    assert compat.LINEAR in compat.LINEAR_TARGETS
+    assert any(t in speed_compat.LINEAR_TARGETS for t in seen), seen
+    assert speed_compat.LINEAR in speed_compat.LINEAR_TARGETS
     x, w = torch.randn(2, 4), torch.randn(3, 4)
-    assert torch.equal(compat.LINEAR(x, w), x @ w.T)  # a graph rewrite may insert it as a linear call
+    assert torch.equal(speed_compat.LINEAR(x, w), x @ w.T)  # a graph rewrite may insert it as a linear call
 
 
 def test_inductor_compile_runs_a_graph():
@@ -62,7 +65,7 @@ def test_inductor_compile_runs_a_graph():
 
     def backend(gm, example_inputs):
         calls.append(1)
-        return compat.inductor_compile(gm, example_inputs, None)
+        return speed_compat.inductor_compile(gm, example_inputs, None)
 
     torch._dynamo.reset()
     fn = torch.compile(lambda x: torch.relu(x) * 2 + 1, backend=backend)
@@ -80,9 +83,9 @@ def test_raise_recompile_limit_only_raises():
     # torch's own patch restores the limit after the block; monkeypatch.setattr on torch's config
     # module deletes the attribute on undo under pytest >= 9.2, which breaks every later compile
     with dynamo.config.patch(recompile_limit=8):
-        compat.raise_recompile_limit(64)
+        speed_compat.raise_recompile_limit(64)
         assert dynamo.config.recompile_limit == 64
-        compat.raise_recompile_limit(16)
+        speed_compat.raise_recompile_limit(16)
         assert dynamo.config.recompile_limit == 64  # never lowered
 
 
@@ -96,7 +99,7 @@ def test_raise_recompile_limit_lets_many_shapes_compile():
         return gm.forward
 
     with dynamo.config.patch(recompile_limit=2):
-        compat.raise_recompile_limit(12)
+        speed_compat.raise_recompile_limit(12)
         torch._dynamo.reset()
         fn = torch.compile(lambda x: x + 1, backend=backend, dynamic=False)
         for n in range(1, 7):  # six shapes: past the old limit of 2, under the new one
@@ -115,7 +118,7 @@ def test_mark_dynamic_makes_one_compile_serve_every_length():
     fn = torch.compile(lambda x: x * 2, backend=backend)
     for n in (5, 9, 13):
         x = torch.zeros(n)
-        compat.mark_dynamic(x, 0)
+        speed_compat.mark_dynamic(x, 0)
         assert fn(x).shape == (n,)
     assert len(compiles) == 1
 
@@ -123,7 +126,7 @@ def test_mark_dynamic_makes_one_compile_serve_every_length():
 def _seen(holder, name, owners=1):
     # (a plain call, not inside an assert: pytest's assertion rewriting keeps references to the
     # expressions it shows, which would count as holders)
-    return compat.referenced_elsewhere(holder[name] if isinstance(holder, list) else getattr(holder, name), owners)
+    return core_compat.referenced_elsewhere(holder[name] if isinstance(holder, list) else getattr(holder, name), owners)
 
 
 def test_referenced_elsewhere_sees_a_view():
@@ -150,9 +153,9 @@ def test_referenced_elsewhere_sees_a_view():
 
 def test_object_at_returns_the_object_of_an_address():
     obj = {"weights": [1, 2, 3]}
-    assert compat.object_at(id(obj)) is obj
+    assert devices_compat.object_at(id(obj)) is obj
     module = torch.nn.Linear(2, 2)
-    assert compat.object_at(id(module)) is module
+    assert devices_compat.object_at(id(module)) is module
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -164,7 +167,7 @@ def test_object_at_finds_the_forked_copy():
     pid = os.fork()
     if pid == 0:  # the child
         try:
-            ok = torch.equal(compat.object_at(address), torch.arange(5))
+            ok = torch.equal(devices_compat.object_at(address), torch.arange(5))
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)
@@ -178,7 +181,7 @@ def test_object_at_finds_the_forked_copy():
 def test_share_fd_gives_a_descriptor_of_the_storage():
     t = torch.zeros(16, dtype=torch.int64)
     t.share_memory_()
-    fd, nbytes = compat.share_fd(t.untyped_storage())
+    fd, nbytes = devices_compat.share_fd(t.untyped_storage())
     assert nbytes == t.numel() * t.element_size()
     assert os.fstat(fd).st_size >= nbytes
     t[3] = 42
@@ -190,7 +193,7 @@ def test_share_fd_gives_a_descriptor_of_the_storage():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_inductor_compile_on_the_gpu_with_a_mode():
     def backend(gm, example_inputs):
-        return compat.inductor_compile(gm, example_inputs, "max-autotune-no-cudagraphs")
+        return speed_compat.inductor_compile(gm, example_inputs, "max-autotune-no-cudagraphs")
 
     torch._dynamo.reset()
     lin = torch.nn.Linear(64, 32).cuda()
@@ -205,6 +208,6 @@ def test_rebind_data_on_the_gpu():
     lin = torch.nn.Linear(8, 4).cuda()
     block = torch.randn(10, 8, device="cuda")
     p = lin.weight
-    compat.rebind_data(p, block[6:10])
+    speed_compat.rebind_data(p, block[6:10])
     assert lin.weight is p and p.data_ptr() == block[6:10].data_ptr()
-    assert compat.tensor_version(p) >= 0
+    assert speed_compat.tensor_version(p) >= 0

@@ -27,7 +27,7 @@ CHAPTER = {
     "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.core.limits": 2,
     "minibatch.core.slots": 4, "minibatch.core.buckets": 4, "minibatch.core.launch": 4,
     "minibatch.core.graphs": 4, "minibatch.speed": 7, "minibatch.speed.compiled": 7,
-    "minibatch.core.carry_over": 5,
+    "minibatch.core.carry_over": 5, "minibatch.devices.compat": 2, "minibatch.speed.compat": 7,
     "minibatch.core.async_loop": 6,
     "minibatch.tools": 7, "minibatch.tools.bench": 7, "minibatch.tools.floors": 7, "minibatch.tools.cli": 7,
     "minibatch.tools.cli_args": 7, "minibatch.tools.cli_serving": 8,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minibatch
-from minibatch.core.compat import LINEAR_TARGETS
+from minibatch.speed.compat import LINEAR_TARGETS
 from minibatch.speed import siblings
 
 

@@ -23,7 +23,7 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     graphs.py       StepRunner: a step's batch, run eagerly or as a CUDA graph replay            04
     carry_over.py   where batch N's sampled tokens go in batch N+1 (placeholders + mask)          05
     async_loop.py   one step of the asynchronous loop: launch N+1, then wait for N                06
-    compat.py       every private PyTorch or CPython hook, one function each                     07
+    compat.py       the private CPython hook the core uses (devices/ and speed/ keep their own)  01
 
 Plugged in from outside, each importing the core and never the reverse:
 

@@ -31,6 +31,8 @@ and all later work waits for it: concurrency gone (notebook 02).
   names.py      how work's objects travel to the cpu device process (shared storages, named objects).
   settings.py   process-wide settings the cpu devices hold (GIL switch interval, torch threads).
   lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
+  compat.py     the private PyTorch and CPython hooks of the cpu device (an object from its address,
+                a storage's shared-memory descriptor).
 
 This module is the front door: it opens a backend, and installs `get_device` as the opener the core's
 engine calls (core/device.py `open_device`). The interface the backends implement, and the errors,

@@ -57,7 +57,7 @@ from multiprocessing import reduction  # its sendfds exists only where Unix sock
 
 import torch
 
-from ..core.compat import share_fd
+from .compat import share_fd
 from . import cpu_process as device_process
 from . import lifecycle
 from ..core import limits

@@ -43,7 +43,7 @@ import cloudpickle
 import torch
 from multiprocessing import reduction  # its recvfds exists only where Unix sockets carry descriptors
 
-from ..core.compat import object_at
+from .compat import object_at
 from ..core.device import DeviceError
 from . import lifecycle
 _SIDE: "DeviceSide | None" = None  # the device process's state, for the rebuild functions below

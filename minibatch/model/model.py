@@ -31,7 +31,7 @@ from ..core.batch import Batch
 from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..core.kv_cache import PagedKVCache
 from ..core.sampling import sample
-from ..core.compat import tensor_version
+from ..speed.compat import tensor_version
 from ..core.device import resident
 
 TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"

@@ -15,7 +15,7 @@ import torch
 
 from ..core.batch import DYNAMIC_ROWS
 from ..core.sampling import sample
-from ..core.compat import mark_dynamic, raise_recompile_limit
+from .compat import mark_dynamic, raise_recompile_limit
 from ..core.device import resident
 
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)

@@ -34,7 +34,7 @@ from collections import defaultdict
 
 import torch
 
-from ..core.compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
+from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
 
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
 #: and Gemma name them (attention's q/k/v, the gated MLP's gate/up); other names are left alone
