@@ -201,3 +201,13 @@ def test_load_model_says_when_it_changes_a_given_model():
     with pytest.warns(UserWarning, match=r"in place: dtype torch.float32 -> torch.bfloat16"):
         model = minibatch.load_model(hf, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 == next(hf.parameters()).dtype
+
+
+def test_offline_runs_refuse_stop_strings(tiny):
+    """Stop strings are matched in streamed text (a serving run's); an offline run would ignore them."""
+    from minibatch.core.requests import Request, SamplingParams
+
+    with pytest.raises(ValueError, match="stop strings"):
+        minibatch.generate(tiny, ["The for statement"], max_new_tokens=8, stop="\n")
+    with minibatch.Engine(tiny) as engine, pytest.raises(ValueError, match="stop strings"):
+        engine.start([Request(0, [1, 2, 3], SamplingParams(max_new_tokens=4, stop=("x",)))])

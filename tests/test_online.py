@@ -235,8 +235,8 @@ def test_many_threads_and_tasks_submit_at_once(tiny):
     assert not errors and len(results) == 200
     assert all(s.token_ids == refs[p] for p, s in results)
     assert stats["kv_blocks_free"] == stats["kv_blocks"]
-    # steps were counted; no graphs on the CPU
-    assert stats["steps"] > 0 and stats["graph_captures"] == 0 == stats["graph_capture_s"]
+    assert stats["steps"] > 0  # steps were counted; on the CPU, no graphs
+    assert tiny.device.type == "cuda" or stats["graph_captures"] == 0 == stats["graph_capture_s"]
     assert stats["loop_cpu_s"] > 0  # the loop's thread ran those steps
     time.sleep(0.2)
     assert threading.active_count() == threads_before

@@ -120,6 +120,9 @@ class Engine:
         default, or "async") is one of them, first for short."""
         if not requests or not all(isinstance(r, Request) for r in requests):
             raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
+        if any(r.params.stop for r in requests):
+            raise ValueError("stop strings are matched in the text streamed to a client, which a run started "
+                             "here has none of; use Serving(engine).submit (minibatch.serving)")
         config = with_options(EngineConfig, config, options if mode is None else {**options, "mode": mode}, "start()")
         run_config = make_config(self.model, config, [len(r.prompt) for r in requests],
                                  max(r.max_new_tokens for r in requests))
@@ -183,25 +186,35 @@ class Engine:
         requests.
         """
         params, config = split_options(params, config, options, "generate()")
+        if params.stop:
+            raise ValueError("stop strings are matched in the text streamed to a client: offline generate returns "
+                             "token ids and has none; use Serving(engine).generate or .submit (minibatch.serving)")
         token_ids, params = check_prompts(self.model, prompts, params)
         arrival_steps = check_run(len(token_ids), arrival_steps=arrival_steps, timeline=timeline, on_step=on_step,
                                   progress=progress)
-        run_config = make_config(self.model, config, [len(p) for p in token_ids], params.max_new_tokens,
-                                 self.kept_bytes)
         requests = [Request(i, p, params.replace(seed=params.seed + i), arrival_step=step)
                     for i, (p, step) in enumerate(zip(token_ids, arrival_steps))]
-        with self.exclusive(), _progress(progress, len(requests), config.mode) as bar:
-            try:
-                run = self.open_run(run_config, requests, timeline, on_step)
-                while run.scheduler.has_work():
-                    finished = self.step()
-                    if bar is not None and finished:
-                        bar.update(len(finished))
-                self.finish()
-            except BaseException:
-                self.abandon()
-                raise
+        # the engine first: the memory check reads the device's free memory, which a run of this engine
+        # in another thread may be capturing a CUDA graph meanwhile (a CUDA call then breaks the capture)
+        with self.exclusive():
+            run_config = make_config(self.model, config, [len(p) for p in token_ids], params.max_new_tokens,
+                                     self.kept_bytes)
+            with _progress(progress, len(requests), config.mode) as bar:
+                self._run(run_config, requests, timeline, on_step, bar)
         return [r.output for r in requests]
+
+    def _run(self, run_config: RunConfig, requests: list[Request], timeline, on_step, bar) -> None:
+        """generate's run, start to finish, in the calling thread; a failed run leaves nothing open."""
+        try:
+            run = self.open_run(run_config, requests, timeline, on_step)
+            while run.scheduler.has_work():
+                finished = self.step()
+                if bar is not None and finished:
+                    bar.update(len(finished))
+            self.finish()
+        except BaseException:
+            self.abandon()
+            raise
 
     @contextmanager
     def exclusive(self):

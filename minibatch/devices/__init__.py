@@ -112,7 +112,7 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
     raise ValueError(f"unknown device {kind!r}: use 'cpu', 'cpu-threads' or 'cuda'")
 
 
-use_opener(get_device)  # what base.open_device (the engine's way in) calls
+use_opener(get_device)  # what core.device.open_device (the engine's way in) calls
 
 
 def _cpu_backend() -> str:

@@ -5,7 +5,7 @@ what goes by value and what by name (devices/cpu_process.py rebuilds both):
 
     a tensor in shared memory (dev.empty, dev.pin)  -> view(storage key, offset, shape, stride)
     a plain host tensor                               -> refused: a GPU cannot read pageable memory either
-    a resident object (a model, a KV cache, a step runner: `base.resident_types`)
+    a resident object (a model, a KV cache, a step runner: `core.device.resident_types`)
         inherited by the fork                         -> its address, the same in the child
         sent before and still alive                   -> its key
         new                                           -> by value once, then remembered by key

@@ -152,7 +152,7 @@ class ServingLoop:
 
     @property
     def cpu_s(self) -> float:
-        """CPU seconds the background thread has run (a server's GIL budget: Engine.stats()): read from
+        """CPU seconds the background thread has run (a server's GIL budget: Serving.stats()): read from
         the thread's own CPU clock now where the OS lends it (`time.pthread_getcpuclockid`: Linux and
         other POSIX systems, not macOS), else as of the thread's last turn, which leaves out a turn in
         progress. The clock is taken by the thread itself: an ident read from outside may already
@@ -218,9 +218,10 @@ class Serving:
     (or `num_blocks` KV blocks), and checked against free memory as the Serving is made; its KV
     cache, IO slots and CUDA graphs serve every request. `config` and `options` are generate's run
     options (EngineConfig), except that CUDA graphs default to decode steps only (serving_config
-    says why); `mode` is "async" unless `config` or `mode` says otherwise. `max_queue` bounds the
-    requests waiting for a seat (submit raises QueueFull beyond it). Leaving the block ends every
-    open stream ("cancelled") and joins the thread.
+    says why). The loop is `mode` if given, else `config.mode` if a config is given, else "async".
+    `max_queue` bounds the requests waiting for a seat (submit raises QueueFull beyond it). Bad
+    options raise as the Serving is made; the run is sized and checked against free memory as the
+    block is entered. Leaving the block ends every open stream ("cancelled") and joins the thread.
     """
 
     def __init__(self, engine, mode: str | None = None, config: EngineConfig | None = None, *,
@@ -228,7 +229,6 @@ class Serving:
         mode = mode or (config.mode if config is not None else "async")
         self.engine, self.max_queue = engine, max_queue
         self.config = with_options(EngineConfig, config, {**options, "mode": mode}, "Serving()")
-        self.run_config = serving_config(engine.model, self.config, engine.kept_bytes)
         self.timeline = timeline if timeline is not None else Timeline(limit=TIMELINE_LIMIT)
         self.loop: ServingLoop | None = None
         self._hold = None
@@ -236,8 +236,9 @@ class Serving:
     def __enter__(self) -> "Serving":
         hold = self.engine.exclusive()
         hold.__enter__()
-        try:
-            run = self.engine.open_run(self.run_config, [], self.timeline)
+        try:  # sized now, with the engine held: its kept resources and the free memory as they are
+            run_config = serving_config(self.engine.model, self.config, self.engine.kept_bytes)
+            run = self.engine.open_run(run_config, [], self.timeline)
             self.loop = ServingLoop(self.engine, run, self.max_queue)
             self.loop.start_thread()
         except BaseException:

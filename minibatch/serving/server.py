@@ -310,7 +310,7 @@ def serve(model, *, name: str, host: str = "127.0.0.1", port: int = 8000, switch
     from ..core.config import EngineConfig, serving_config
 
     # max_queue is the serving loop's own, the rest EngineConfig's
-    serving_config(model, EngineConfig(**{k: v for k, v in serving.items() if k != "max_queue"}))
+    serving_config(model, EngineConfig(**{"mode": "async", **{k: v for k, v in serving.items() if k != "max_queue"}}))
     import uvicorn
 
     for option, value, module in (("loop", loop, "uvloop"), ("http", http, "httptools")):
