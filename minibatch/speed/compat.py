@@ -1,11 +1,6 @@
 """The private PyTorch hooks of the speed extras and the model, one function each (tests/test_compat.py).
 
-Each function says why it is needed, what it relies on, and what it does on the PyTorch versions the
-project runs on (2.13 on the CPU, 2.11 on the GPU machine of BENCHMARKS.md); tests/test_compat.py
-checks every hook of the package on whichever version is installed, so running it under another one
-says which hooks still hold. minibatch keeps to public APIs where one exists; where none does, the
-hook lives in the compat.py of the folder that needs it (core/, devices/, speed/), so that a new
-PyTorch or Python version breaks one function with a name and a test, not a loop far away.
+Why each hook is a function of its own here, and how tests/test_compat.py checks it: minibatch/core/compat.py.
 
     tensor_version     a tensor's in-place write counter (Tensor._version)          model/model.py
     rebind_data        point a parameter at other storage (Tensor.data = ...)       speed/siblings.py
