@@ -120,9 +120,6 @@ class Engine:
         default, or "async") is one of them, first for short."""
         if not requests or not all(isinstance(r, Request) for r in requests):
             raise TypeError("start takes a non-empty list of Request objects (generate takes prompts)")
-        if any(r.params.stop for r in requests):
-            raise ValueError("stop strings are matched in the text streamed to a client, which a run started "
-                             "here has none of; use Serving(engine).submit (minibatch.serving)")
         config = with_options(EngineConfig, config, options if mode is None else {**options, "mode": mode}, "start()")
         run_config = make_config(self.model, config, [len(r.prompt) for r in requests],
                                  max(r.max_new_tokens for r in requests))
@@ -138,6 +135,10 @@ class Engine:
         """Open a run of a checked RunConfig (config.make_config, or serving_config for a run that takes
         requests while it lasts: `scheduler.add`); `step()` then advances it. Hold `exclusive()` around
         it, as generate does."""
+        if any(r.params.stop for r in requests):  # (a serving run's requests arrive later, through its loop)
+            raise ValueError("stop strings are matched in the text streamed to a client, which a run of "
+                             "generate or start has none of; use Serving(engine).generate or .submit "
+                             "(minibatch.serving)")
         self._weights_changed()
         dev = self._device()
         timeline = timeline if timeline is not None else Timeline()
@@ -186,9 +187,6 @@ class Engine:
         requests.
         """
         params, config = split_options(params, config, options, "generate()")
-        if params.stop:
-            raise ValueError("stop strings are matched in the text streamed to a client: offline generate returns "
-                             "token ids and has none; use Serving(engine).generate or .submit (minibatch.serving)")
         token_ids, params = check_prompts(self.model, prompts, params)
         arrival_steps = check_run(len(token_ids), arrival_steps=arrival_steps, timeline=timeline, on_step=on_step,
                                   progress=progress)
