@@ -1,11 +1,11 @@
 """The argument checks of `generate` and `submit` that need the model: one pass, before any work starts.
 
 The options themselves are checked where they are defined, once: per request in SamplingParams
-(core/requests.py), per run in EngineConfig (config.py). Why check at all: a bad value that
-gets past the top of `generate` surfaces much later and far from its cause: a float `top_k` silently truncated, a `seed` that overflows int64 in batch.py, a
-`timeout=nan` that busy-waits forever, a `max_batch_tokens=10**9` that allocates gigabytes of IO
-buffers, or (worst) the async loop with one IO slot, which returns wrong tokens without a word
-(notebook 04's race). Here every argument is checked for its type (ints are ints, not floats or
+(core/requests.py), per run in EngineConfig (config.py). Why check at all: a bad value that gets
+past the top of `generate` surfaces much later and far from its cause: a float `top_k` silently
+truncated, a `seed` that overflows int64 in batch.py, a `timeout=nan` that busy-waits forever, a
+`max_batch_tokens=10**9` that allocates gigabytes of IO buffers, or (worst) the async loop with one
+IO slot, which returns wrong tokens without a word (notebook 04's race). Here every argument is checked for its type (ints are ints, not floats or
 bools), finiteness, range and size; each error names the argument, the value and what is allowed.
 
 Memory is checked by estimate (memory.py): the KV cache and the IO slots are sized from the
