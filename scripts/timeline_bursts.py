@@ -5,7 +5,7 @@
 TIMELINE.json: what `python -m minibatch serve --timeline FILE` writes as the server stops, or a
 `bench --out` timeline (an offline run: one window over the whole file). A burst runs from the first
 arrival of a group of requests to the end of the last device span after it; a gap of `--quiet`
-seconds with nothing recorded ends it (Timeline.bursts). Per burst: the requests that arrived and
+seconds with nothing recorded ends it (serving/diagnostics.py). Per burst: the requests that arrived and
 over how long, the steps, the device's busy share, the wall time per step, and the milliseconds of
 full garbage collections where the timeline recorded them (`serve --timeline` does). Set a
 rate-inf burst of the server beside the offline run of the same workload: more steps, longer steps
@@ -23,16 +23,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minibatch.core.timeline import Timeline  # noqa: E402
+from minibatch.serving.diagnostics import bursts, window  # noqa: E402
 
 
 def rows(timeline: Timeline, quiet: float) -> list[dict]:
-    """One summary per burst (Timeline.window), or one over the whole timeline if it has no arrivals."""
+    """One summary per burst (diagnostics.window), or one over the whole timeline if it has no arrivals."""
     if timeline.marks:
-        return [{"start_s": a, **timeline.window(a, b)} for a, b in timeline.bursts(quiet)]
+        return [{"start_s": a, **window(timeline, a, b)} for a, b in bursts(timeline, quiet)]
     if not timeline.spans:
         return []
     a, b = min(s.start for s in timeline.spans), max(s.end for s in timeline.spans)
-    return [{"start_s": a, **timeline.window(a, b)}]
+    return [{"start_s": a, **window(timeline, a, b)}]
 
 
 def longest(timeline: Timeline, start: float, end: float, n: int) -> list[tuple[int, float, float]]:

@@ -10,6 +10,7 @@ import pytest
 matplotlib.use("Agg")
 
 from minibatch.core.timeline import Timeline  # noqa: E402
+from minibatch.serving.diagnostics import bursts, gc_pauses, window  # noqa: E402
 
 
 def make():
@@ -98,16 +99,16 @@ def _serving_timeline() -> Timeline:
 
 def test_bursts_and_windows_of_a_serving_timeline():
     tl = _serving_timeline()
-    bursts = tl.bursts(quiet=0.5)
-    assert bursts == [pytest.approx((0.0, 0.21)), pytest.approx((5.0, 5.1))]  # the load is no burst
-    w = tl.window(*bursts[0])
+    busy = bursts(tl, quiet=0.5)
+    assert busy == [pytest.approx((0.0, 0.21)), pytest.approx((5.0, 5.1))]  # the load is no burst
+    w = window(tl, *busy[0])
     assert (w["arrivals"], w["steps"]) == (2, 4)
     assert w["arrival_spread_s"] == pytest.approx(0.05) and w["device_busy"] == pytest.approx(0.2 / 0.21)
     assert w["ms_per_step"] == pytest.approx(52.5) and w["compute_ms"] == pytest.approx(50)
-    w = tl.window(*bursts[1])
+    w = window(tl, *busy[1])
     assert (w["arrivals"], w["steps"], w["arrival_spread_s"]) == (1, 2, 0.0)
     assert w["device_busy"] == pytest.approx(0.09 / 0.1)
-    assert tl.bursts(quiet=3.0) == [pytest.approx((0.0, 5.1))]  # a longer quiet joins everything
+    assert bursts(tl, quiet=3.0) == [pytest.approx((0.0, 5.1))]  # a longer quiet joins everything
 
 
 def test_timeline_bursts_script_prints_a_row_per_burst(tmp_path, capsys):
@@ -152,7 +153,7 @@ def test_gc_pauses_records_full_collections_as_spans_a_window_counts():
     import gc
 
     tl, before = Timeline(), list(gc.callbacks)
-    with tl.gc_pauses():
+    with gc_pauses(tl):
         gc.collect(0)  # a young generation: left out
         gc.collect()  # a full collection
     gc.collect()  # after the block: not recorded
@@ -161,8 +162,8 @@ def test_gc_pauses_records_full_collections_as_spans_a_window_counts():
     assert gc.callbacks == before  # the callback is gone
     tl.mark("request 0", at=tl.t0 + spans[0].start - 0.01)
     tl.add("compute", "compute", spans[0].end + 0.2, spans[0].end + 0.3, 0)  # the step after the stall
-    (start, end), = tl.bursts()  # a host stall keeps its burst going, which ends with the device
+    (start, end), = bursts(tl)  # a host stall keeps its burst going, which ends with the device
     assert end == pytest.approx(spans[0].end + 0.3)
-    assert tl.window(start, end)["gc_s"] == pytest.approx(spans[0].duration)
+    assert window(tl, start, end)["gc_s"] == pytest.approx(spans[0].duration)
     tl.add("CPU", "update", end, end + 0.05, 0)  # host work after the last step does not lengthen it
-    assert tl.bursts() == [(start, end)]
+    assert bursts(tl) == [(start, end)]

@@ -16,7 +16,8 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     sampling.py     greedy, temperature, top-k, top-p, seeded per request                         01
     sync_loop.py    one step of the synchronous loop: prepare, launch, wait, update               01
     timeline.py     Timeline: what ran when, on which lane; busy fractions and pictures           01
-    device.py       the device interface: streams, events, copies, errors; what stays resident    02
+    device.py       the device interface: streams, events, copies, errors; what stays resident;   02
+                    a Platform: graphs, padded shapes, free memory per kind of hardware
     launch.py       launch_step: H2D, compute, D2H on three streams chained by events          03-06
     buckets.py      the sizes steps are padded to (few shapes for graphs and compiles)            04
     slots.py        IO slots: host and device buffers of one step, and their events              04
@@ -28,7 +29,7 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
 Plugged in from outside, each importing the core and never the reverse:
 
     devices/   the backends: cuda, cpu (an emulated device in a process of its own), cpu-threads;
-               devices/__init__.py installs their opener (device.open_device)
+               devices/__init__.py installs their opener (device.open_device), cuda.py the GPU's Platform
     model/     a transformers causal LM set up for the paged KV cache (what Engine asks of a model:
                engine.MODEL_NEEDS); the Triton decode attention
     speed/     torch.compile'd decode steps and merged sibling projections (Model.compiled_step)

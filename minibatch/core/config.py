@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from .args import _bool, _int, _number
 from .requests import FIELDS as SAMPLING_FIELDS, SamplingParams
+from .device import platform
 from .memory import check_memory, run_sizes
 
 MODES = ("sync", "async")
@@ -140,9 +141,9 @@ def serving_config(model, config: EngineConfig, reusable_bytes: int = 0) -> RunC
     changes = {}
     if config.max_batch_size is None:
         changes["max_batch_size"] = SERVING_BATCH_SIZE
-    if config.cuda_graphs is None and model.device.type == "cuda":
+    if config.cuda_graphs is None and platform(model.device).graphs:
         changes["cuda_graphs"] = "decode"
-    if config.compile is True and model.device.type == "cuda":  # (elsewhere refused by make_config, as asked)
+    if config.compile is True and platform(model.device).compiles:  # (elsewhere refused by make_config, as asked)
         changes["compile"] = "dynamic"
     config = config.replace(**changes) if changes else config
     context = model.max_positions or 2048  # (a model that names no context: sized for 2048 tokens)
@@ -157,15 +158,15 @@ def make_config(model, config: EngineConfig, lengths: list[int], max_new_tokens:
     most its context), fill in the defaults, size the run for requests of `lengths` prompt tokens and
     `max_new_tokens` new ones, and check that it fits in free memory (ValueError/TypeError naming
     the first bad option). `reusable_bytes`: memory an engine's kept resources would give back."""
-    cuda = model.device.type == "cuda"
+    can = platform(model.device)
     block_size = _block_size(model, config.block_size)
     max_batch_size = config.max_batch_size or min(32, config.max_batch_tokens)
     compile = config.compile
-    if compile and not cuda:
+    if compile and not can.compiles:
         raise ValueError(f"compile={compile!r} is for CUDA models; this model is on {model.device} (the CPU path stays "
                          "eager: compiling would take longer than the tiny model's whole run)")
-    cuda_graphs = cuda if config.cuda_graphs is None else config.cuda_graphs
-    if cuda_graphs and not cuda:
+    cuda_graphs = can.graphs if config.cuda_graphs is None else config.cuda_graphs
+    if cuda_graphs and not can.graphs:
         raise ValueError(f"cuda_graphs={cuda_graphs!r} needs a CUDA model; this model is on {model.device}")
     num_slots = config.num_slots or (2 if config.mode == "async" else 1)
     sizes = run_sizes(model, config, lengths, max_new_tokens, max_batch_size, block_size)

@@ -1,6 +1,7 @@
 """The device interface: what every backend offers (notebooks 02, 03).
 
-Streams, events and a device, as abstract classes, and the two errors a device raises. Backends
+Streams, events and a device, as abstract classes, the two errors a device raises, and a `Platform`:
+what the hardware behind a torch device type offers (graphs, padded shapes, free memory). Backends
 (`devices/cuda.py`, `devices/cpu.py`) implement them; `devices/__init__.py` opens one. This module imports no
 backend, so a backend can import it without a cycle.
 """
@@ -52,6 +53,48 @@ def open_device(kind: str, timeline=None, inherit=(), **options) -> "Device":
     if _OPENER is None:
         raise DeviceError("no device backend is installed: import minibatch.devices (importing minibatch does)")
     return _OPENER(kind, timeline, inherit, **options)
+
+
+class Platform:
+    """What the engine asks of the hardware behind a torch device type, beyond streams and events:
+    whether CUDA graphs and compiled steps run there, whether steps are padded to bucketed shapes, and
+    its free memory. This default is a CPU's; devices/cuda.py registers the GPU's. Every question the
+    core has about a device's kind goes through here, so a new backend answers them in one place."""
+
+    graphs = False  # CUDA graphs can be captured and replayed (notebook 04)
+    compiles = False  # torch.compile's decode step pays for itself (speed/compiled.py)
+    padded = False  # steps padded to bucketed shapes (core/buckets.py): few shapes to capture
+    own_memory = False  # device memory apart from the host's, counted on its own
+    # a model's defaults on this hardware (model/model.py; batch.py says what each does): the
+    # attention's key list padded to a multiple of `kv_bucket` keys, decode steps in the [rows, L]
+    # key layout, decode rows padded to a multiple of `decode_kv_bucket` keys. A CPU gains nothing by
+    # padding; a GPU runs fewer shapes (graphs, kernels' plans) and reads fewer padded keys at 64
+    kv_bucket = 1
+    decode_layout = False
+    decode_kv_bucket = 1
+
+    def free_bytes(self, device: torch.device) -> int | None:
+        """Free device memory; None where the device uses host memory (counted as the host's)."""
+        return None
+
+    def release_cached(self, device: torch.device) -> None:
+        """Give memory the allocator caches back to the driver (after a run's buffers are freed)."""
+
+
+_PLATFORMS: dict[str, Platform] = {}
+
+
+def register_platform(device_type: str, answers: Platform) -> None:
+    """Answer the core's questions about devices of `device_type` ("cuda"): a backend, as it is imported."""
+    _PLATFORMS[device_type] = answers
+
+
+def platform(device: torch.device | str) -> Platform:
+    """The Platform of `device` (a torch device or its name): the registered one, else a CPU's."""
+    return _PLATFORMS.get(torch.device(device).type) or _CPU
+
+
+_CPU = Platform()
 
 
 class DeviceError(RuntimeError):

@@ -33,12 +33,10 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
 from .requests import Request, SamplingParams
 from .scheduler import Scheduler
 from .slots import IOSlot
-from .device import DeviceError, deferred_interrupts, open_device
+from .device import DeviceError, deferred_interrupts, open_device, platform
 from .graphs import StepRunner
 from .timeline import Timeline
 from .async_loop import async_step
@@ -251,7 +249,7 @@ class Engine:
             if self._compiled is None or self._compiled.dynamic_rows != dynamic:
                 self._compiled = model.compiled_step(dynamic_rows=dynamic)
             compiled = self._compiled
-        cache = model.make_cache(shape.num_blocks, shape.block_size, alloc=dev.empty)
+        cache = model.make_cache(shape.num_blocks, shape.block_size, device=dev)
         slots = [IOSlot(dev, i, shape.max_tokens, shape.max_keys, shape.rows) for i in range(shape.num_slots)]
         # with the slots' capacity the runner pads prefill steps so that they can be graphs ("decode": not)
         capacity = None if shape.cuda_graphs == "decode" else (shape.max_tokens, shape.max_keys, shape.rows)
@@ -306,8 +304,7 @@ class Engine:
                 self.dev.synchronize(600.0)
         finally:
             self._reset_device()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        platform(self.model.device).release_cached(self.model.device)
 
     def __enter__(self) -> "Engine":
         return self

@@ -40,7 +40,7 @@ from .batch import build_batch, pad_flat
 from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
 from .scheduler import BatchPlan
 from .slots import StepArgs
-from .device import resident
+from .device import platform, resident
 from .launch import forward_step
 
 if TYPE_CHECKING:
@@ -53,9 +53,10 @@ class StepRunner:
 
     def __init__(self, model, cache, use_graphs: bool = False, compiled: CompiledStep | None = None,
                  capacity: tuple[int, int, int] | None = None) -> None:
-        if use_graphs and model.device.type != "cuda":
+        can = platform(model.device)
+        if use_graphs and not can.graphs:
             raise ValueError("CUDA graphs need a CUDA device; this model is on " + str(model.device))
-        if compiled is not None and model.device.type != "cuda":
+        if compiled is not None and not can.compiles:
             raise ValueError("compile=True is for CUDA models (decode steps through torch.compile); this model "
                              "is on " + str(model.device))
         self.model, self.cache, self.use_graphs, self.compiled = model, cache, use_graphs, compiled
@@ -70,7 +71,7 @@ class StepRunner:
 
     def build(self, plan: BatchPlan):
         # rows are padded on a GPU with or without graphs, so eager and graph runs use the same shapes
-        rows = ROW_BUCKETS if self.model.device.type == "cuda" else ()
+        rows = ROW_BUCKETS if platform(self.model.device).padded else ()
         if rows and self.compiled is not None and self.compiled.dynamic_rows:
             rows = rows[1:]  # one row padded to two: torch.compile would specialize a single row (compiled.py)
         # steps compiled for a fixed number of keys compile once per shape: coarser key buckets

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .decode_keys import DecodeKeys
-from .device import resident
+from .device import Device, resident
 
 
 class OutOfBlocks(RuntimeError):
@@ -112,10 +112,11 @@ class PagedKVCache:
         head_dim: int,
         num_blocks: int,
         block_size: int,
-        device: torch.device | str = "cpu",
+        device: "torch.device | str | Device" = "cpu",
         dtype: torch.dtype = torch.float32,
-        alloc=None,
     ) -> None:
+        """`device`: where the tensors live, a torch device or a minibatch Device (whose `empty`
+        allocates them, so that a device of its own process holds them)."""
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         self.num_cells = (num_blocks + 1) * block_size  # + the scratch block
@@ -123,7 +124,8 @@ class PagedKVCache:
         shape = (self.num_cells, num_kv_heads, head_dim)
         # zeroed, not just allocated: padding keys are masked, but garbage (NaN) in them would still
         # poison the attention's sums
-        alloc = alloc or (lambda shape, dtype: torch.empty(shape, device=device, dtype=dtype))
+        alloc = device.empty if isinstance(device, Device) else (
+            lambda shape, dtype: torch.empty(shape, device=device, dtype=dtype))
         self.keys = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
         self.values = [alloc(shape, dtype).zero_() for _ in range(num_layers)]
         self.key_table = DecodeKeys()  # the decode layout's key table, kept from step to step (decode_keys.py)

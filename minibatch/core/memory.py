@@ -19,6 +19,7 @@ import torch
 from .batch import TENSOR_FIELDS
 from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
 from .slots import EXTENT
+from .device import platform
 from .limits import host_bytes_free
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
@@ -42,7 +43,7 @@ def run_sizes(model, config, lengths, max_new_tokens, max_batch_size: int, block
     longest = max(lengths) + max_new_tokens
     width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
     tokens, keys = max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width)
-    if model.device.type == "cuda":  # room for prefill steps padded to bucketed sizes (batch.pad_flat)
+    if platform(model.device).padded:  # room for prefill steps padded to bucketed sizes (batch.pad_flat)
         tokens = max(tokens, bucket(max_batch_tokens, TOKEN_BUCKETS))
         keys = max(keys, bucket(keys + 1, KEY_BUCKETS))
     return num_blocks, tokens, keys, rows
@@ -64,12 +65,8 @@ def available_bytes(device: torch.device) -> tuple[int, int]:
     """(free device memory, free host memory) in bytes; on the CPU both are the same host memory. Host
     memory is the smallest of the machine's free memory, an address-space limit (`ulimit -v`) and a
     container's cgroup limit (core/limits.py)."""
-    host = host_bytes_free()
-    if device.type != "cuda":
-        return host, host
-    # memory PyTorch's allocator holds but no tensor uses is free to this process, though not to the driver
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return torch.cuda.mem_get_info(device)[0] + cached, host
+    host, own = host_bytes_free(), platform(device).free_bytes(device)
+    return (host if own is None else own), host
 
 
 def check_memory(model, shape, given_blocks: bool = True, reusable: int = 0) -> None:
@@ -81,7 +78,7 @@ def check_memory(model, shape, given_blocks: bool = True, reusable: int = 0) -> 
                                                           shape.max_keys, shape.rows)
     b = estimate_bytes(model, num_blocks, max_tokens, max_keys, rows, block_size, shape.num_slots)
     dev_free, host_free = available_bytes(model.device)
-    if model.device.type == "cuda":
+    if platform(model.device).own_memory:
         # an engine's kept caches are reused or freed: count them as free, so that a run of a shape that
         # fitted before is never refused
         dev_free += reusable

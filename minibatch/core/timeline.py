@@ -10,8 +10,7 @@ A `Timeline` is a list of spans, each on a lane:
 The loops record a span for every stage of every step. `device_busy()` is the fraction of the
 wall time during which at least one device lane (H2D, compute, D2H) was busy: the number the
 article reports (76.0% synchronous, 99.4% asynchronous). A serving run's timeline also marks each
-request's arrival; `bursts()` cuts it into busy periods and `window(start, end)` says what each held
-(arrivals, steps, busy share, time per step). `plot()` draws the Gantt chart;
+request's arrival (serving/diagnostics.py cuts it into busy periods). `plot()` draws the Gantt chart;
 `to_chrome_trace()` writes JSON that chrome://tracing and ui.perfetto.dev open.
 
 Times are seconds on the host's `time.perf_counter()` clock, relative to the timeline's start.
@@ -19,8 +18,6 @@ Times are seconds on the host's `time.perf_counter()` clock, relative to the tim
 
 from __future__ import annotations
 
-import bisect
-import gc
 import gzip
 import json
 import time
@@ -66,7 +63,7 @@ class Timeline:
     def add(self, lane: str, name: str, start: float, end: float, step: int = -1, slot: int = -1) -> None:
         self.spans.append(Span(lane, name, start, end, step, slot))
         if self.limit is not None and len(self.spans) > 2 * self.limit:
-            # down to the newest `limit`, however many got here at once (gc_pauses adds from any thread)
+            # down to the newest `limit`, however many got here at once (spans come from any thread)
             del self.spans[: len(self.spans) - self.limit]
 
     def mark(self, label: str, at: float | None = None) -> None:
@@ -83,29 +80,6 @@ class Timeline:
         finally:
             self.add(lane, name, start, self.now(), step, slot)
 
-    @contextmanager
-    def gc_pauses(self):
-        """Inside, each of Python's full garbage collections (generation 2) becomes a "gc" span on the
-        CPU lane. A full collection walks every object the collector tracks, and whichever thread runs
-        it holds the interpreter lock meanwhile: with torch and a model loaded, every Python thread
-        (a server's loop and its HTTP thread) stops for as long as it takes. The young generations'
-        collections are frequent and short, and left out."""
-        started: list[float] = []
-
-        def callback(phase: str, info: dict) -> None:
-            if info.get("generation") != 2:
-                return
-            if phase == "start":
-                started.append(self.now())
-            elif started:
-                self.add("CPU", "gc", started.pop(), self.now())
-
-        gc.callbacks.append(callback)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(callback)
-
     # --- summaries -------------------------------------------------------------------------------
     @property
     def wall(self) -> float:
@@ -120,40 +94,6 @@ class Timeline:
     def device_busy(self) -> float:
         """Fraction of wall time with the device doing something (H2D, compute or D2H)."""
         return self.busy() / self.wall if self.wall > 0 else 0.0
-
-    def bursts(self, quiet: float = 0.5) -> list[tuple[float, float]]:
-        """A serving run's busy periods, as (start, end): from the first arrival of a group of requests
-        to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
-        with no arrival and nothing on any lane (an idle server's warm-up and its loads apart; a long
-        host stall, such as a garbage collection, stays inside its burst)."""
-        arrivals = sorted(t for t, _ in self.marks)
-        device = sorted((s.start, s.end) for s in self.spans if s.lane in DEVICE_LANES)
-        events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in self.spans]
-        out = []
-        for a, b in merged(events, bridge=quiet):
-            first = bisect.bisect_left(arrivals, a)
-            if first < len(arrivals) and arrivals[first] <= b:  # a period with no arrival is no burst
-                inside = device[bisect.bisect_left(device, (a, a)):bisect.bisect_right(device, (b, b))]
-                last = arrivals[bisect.bisect_right(arrivals, b) - 1]
-                out.append((arrivals[first], max([e for _, e in inside] + [last])))
-        return out
-
-    def window(self, start: float, end: float) -> dict:
-        """What happened between `start` and `end` (seconds on this timeline): arrivals and their spread,
-        steps computed, the device's busy share, the mean wall time per step and compute span, and the
-        seconds of full garbage collections (`gc_pauses`) in it."""
-        arrivals = sorted(t for t, _ in self.marks if start <= t <= end)
-        compute = [s for s in self.spans if s.lane == "compute" and start <= s.start < end]
-        device = [(max(s.start, start), min(s.end, end)) for s in self.spans
-                  if s.lane in DEVICE_LANES and s.end > start and s.start < end]
-        wall, steps = end - start, len({s.step for s in compute})
-        return {"wall_s": wall, "arrivals": len(arrivals),
-                "arrival_spread_s": arrivals[-1] - arrivals[0] if arrivals else 0.0,
-                "steps": steps, "device_busy": union_length(device) / wall if wall > 0 else 0.0,
-                "ms_per_step": 1000 * wall / steps if steps else 0.0,
-                "compute_ms": 1000 * sum(s.duration for s in compute) / len(compute) if compute else 0.0,
-                "gc_s": sum(min(s.end, end) - max(s.start, start) for s in self.spans
-                            if s.name == "gc" and s.end > start and s.start < end)}
 
     def totals(self) -> dict[str, float]:
         """Seconds per span name, e.g. {'prepare': 0.1, 'compute': 0.8, ...}."""

@@ -32,7 +32,7 @@ from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..core.kv_cache import PagedKVCache
 from ..core.sampling import sample
 from ..speed.compat import tensor_version
-from ..core.device import resident
+from ..core.device import platform, resident
 
 TINY_DIR = Path(__file__).parents[1] / "assets" / "tiny"
 
@@ -75,22 +75,18 @@ class Model:
         self.vocab_size = cfg.vocab_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.dtype = next(self.hf.parameters()).dtype
-        cuda = self.device.type == "cuda"
-        # pad the attention's key list to a multiple of this (batch.py says why); CPUs gain nothing
-        self.kv_bucket = 256 if cuda else 1
-        # decode steps use the [rows, L] key layout (batch.py); flat + mask otherwise
-        self.decode_layout = cuda
-        # decode rows are padded to a multiple of this many keys (batch.py, decode_bucket). Each
-        # padded key is gathered and attended to, so a finer bucket reads less; it costs one more CUDA
-        # graph per bucket of context (BENCHMARKS.md compares 64 with 256).
-        self.decode_kv_bucket = 64 if cuda else self.kv_bucket
+        can = platform(self.device)
+        # the key list padded to a multiple of kv_bucket keys, decode steps in the [rows, L] key layout
+        # (flat + mask otherwise), decode rows padded to a multiple of decode_kv_bucket keys (batch.py):
+        # the hardware's defaults (core/device.py, Platform), which a caller may change per model
+        self.kv_bucket, self.decode_layout, self.decode_kv_bucket = can.kv_bucket, can.decode_layout, can.decode_kv_bucket
         # decode-layout attention: "triton" (reads the paged cache in place: triton_decode.py), "sdpa"
         # (gathers each row's keys, then one fused kernel) or "einsum" (the readable version). On a GPU
         # the Triton kernel is the default where Triton is installed: it reads the keys in place instead
         # of gathering a copy first, and is the faster of the two at every batch and context in
         # BENCHMARKS.md and its history (notes/benchmarks_history_2026-11-29_to_2026-12-02.md)
         self.decode_attention = "einsum"
-        if cuda:
+        if self.device.type == "cuda":  # the Triton kernel and SDPA's fused decode are CUDA kernels
             from . import triton_decode
             fits = self.head_dim & (self.head_dim - 1) == 0  # the kernel tiles head_dim by powers of two
             self.decode_attention = "triton" if triton_decode.available() and fits else "sdpa"
@@ -108,7 +104,7 @@ class Model:
         """On a GPU, sibling projections' weights in one tensor each, for compiled steps (siblings.py):
         the values do not change. Again before each run (the engine), in case they moved since. ->
         the groups stacked now (0 elsewhere)."""
-        if self.device.type != "cuda":
+        if not platform(self.device).compiles:
             return 0
         from ..speed import siblings
 
@@ -126,11 +122,11 @@ class Model:
         were loaded into the model, or moved by `.to()` and back, since this was last read."""
         return tuple((p.data_ptr(), tensor_version(p)) for p in self.hf.parameters())
 
-    def make_cache(self, num_blocks: int, block_size: int, alloc=None) -> PagedKVCache:
-        """A paged KV cache for this model; `alloc(shape, dtype)` gives its zeroed tensors (default: on
-        the model's device; an engine passes its device's allocator)."""
+    def make_cache(self, num_blocks: int, block_size: int, device=None) -> PagedKVCache:
+        """A paged KV cache for this model, on `device` (a minibatch Device allocates it: an engine
+        passes its own; default: the model's torch device)."""
         return PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, num_blocks, block_size,
-                            device=self.device, dtype=self.dtype, alloc=alloc)
+                            device=self.device if device is None else device, dtype=self.dtype)
 
     def _forward(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
         """One forward pass over a device batch -> [R, vocab] logits of the sampling positions."""

@@ -46,7 +46,7 @@ from . import bench_report
 from .bench_report import RequestResult
 
 # between two rates (and after the warm-up): the server drains, and its timeline (serve --timeline)
-# shows each rate as a burst of its own (Timeline.bursts ends one at half a second of nothing)
+# shows each rate as a burst of its own (serving/diagnostics.py ends one at half a second of nothing)
 PAUSE_S = 1.0
 
 # short, distinct, whitespace-free words: a few tokens each in any tokenizer

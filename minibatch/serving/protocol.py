@@ -1,7 +1,9 @@
-"""The OpenAI wire format: request bodies checked by hand, response bodies and stream chunks built.
+"""The OpenAI wire format: request bodies as pydantic models, response bodies and stream chunks built.
 
-Checked by hand (not by pydantic models) so that every bad request gets one clear message that names
-its parameter, in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+A request body is validated once, by `parse(body, chat)`, into a `CompletionRequest` or a
+`ChatRequest`; its `sampling(...)` is the engine's SamplingParams, made once per request. Every bad
+request gets one message that names its parameter, in OpenAI's error shape: `{"error": {"message",
+"type", "param", "code"}}` (`BadRequest`, from pydantic's first error: its location is the param).
 
 Parameters that change decoding and that the engine honours: `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed`, `stop` (a string or
@@ -24,13 +26,17 @@ next turn. Notebook 08 explains the server.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..core.requests import SamplingParams
 
 # accepted and ignored: they change nothing about the tokens
-IGNORED = {"user", "metadata", "service_tier", "store", "stream_options", "parallel_tool_calls"}
+IGNORED = ("user", "metadata", "service_tier", "store", "parallel_tool_calls")
 # accepted only at the value that turns them off: the engine cannot honour anything else
 OFF_VALUES = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -38,10 +44,10 @@ OFF_VALUES = {
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
 }
-USED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n"}
 PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_STOP = "\nUser:"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's word for aborted
+SEED_LIMIT = 2**63  # seeds are int64 on the device
 
 
 class BadRequest(Exception):
@@ -57,143 +63,190 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-@dataclass
-class Params:
-    """One request, checked: what the engine's `submit` needs, plus how to answer."""
+def _refuse(code: str, message: str):
+    return PydanticCustomError(code, message)
 
-    prompt: str | list[int] | list[dict]  # text, token ids, or chat messages
-    chat: bool
-    max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """What both endpoints take. Strict: a number sent as a string, or true as a number, is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str = ""
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    # accepted and ignored (IGNORED)
+    user: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    store: Any = None
+    parallel_tool_calls: Any = None
+    # accepted at their "off" value only (OFF_VALUES)
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+    min_tokens: Any = None
+
+    @field_validator(*OFF_VALUES)
+    @classmethod
+    def _off(cls, v, info):
+        allowed = OFF_VALUES[info.field_name]
+        if v is not None and not any(v == a and type(v) is type(a) for a in allowed):
+            raise _refuse("unsupported_parameter", f"'{info.field_name}' is not supported here (only "
+                          f"{allowed[0]!r}), got {v!r}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v is not None and v != 1:
+            raise ValueError(f"'n' must be 1 (one choice per request), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"'stop' must be a string or a list of strings, got {v!r}")
+        if len(stops) > 16 or any(s == "" for s in stops):
+            raise ValueError("'stop' takes at most 16 non-empty strings")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_new_tokens: int, eos_token_id, seed: int, extra_stop=()) -> SamplingParams:
+        """The engine's SamplingParams for this request (its ValueError names the engine's field)."""
+        return SamplingParams(temperature=self.temperature, top_k=0 if self.top_k in (None, -1) else self.top_k,
+                              top_p=self.top_p, seed=seed, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop))
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{name}' must be a number, got {v!r}", name)
-    if v < low or v > high or (low_open and v == low):
-        raise BadRequest(f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}], got {v!r}", name)
-    return float(v)
+class CompletionRequest(_Body):
+    """A `/v1/completions` body: `prompt` is text or token ids (a batch of one of either is unwrapped)."""
+
+    chat: ClassVar[bool] = False
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one prompt
+        elif isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            raise ValueError(f"'prompt' holds one prompt per request (got a batch of {len(v)})")
+        if isinstance(v, list):
+            if not v or not all(_is_int(t) for t in v):
+                raise ValueError("'prompt' must be a non-empty string or a non-empty list of token ids")
+        elif not isinstance(v, str) or not v:
+            raise ValueError(f"'prompt' must be a non-empty string or a non-empty list of token ids, got {v!r}")
+        return v
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
 
-def _integer(body: dict, name: str, low: int, high: int = 2**63 - 1):
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise BadRequest(f"'{name}' must be an integer, got {v!r}", name)
-    if not low <= v <= high:
-        raise BadRequest(f"'{name}' must be an integer in [{low}, {high}], got {v}", name)
-    return v
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
 
 
-def _stop(v) -> list[str]:
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise BadRequest(f"'stop' must be a string or a list of strings, got {v!r}", "stop")
-    if len(stops) > 16 or any(s == "" for s in stops):
-        raise BadRequest("'stop' takes at most 16 non-empty strings", "stop")
-    return stops
+class Message(BaseModel):
+    """One chat message: a role and its text (a string, or text parts, joined)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v):
+        if isinstance(v, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+                raise ValueError("holds text parts only")
+            return "".join(p["text"] for p in v)
+        if not isinstance(v, str):
+            raise ValueError(f"must be a string, got {v!r}")
+        return v
 
 
-def _check_fields(body: dict, own: set[str]) -> None:
-    for name, value in body.items():
-        if name in USED or name in own or name in IGNORED:
-            continue
-        if name not in OFF_VALUES:
-            raise BadRequest(f"unsupported parameter '{name}'", name, "unsupported_parameter")
-        allowed = OFF_VALUES[name]
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            raise BadRequest(f"'{name}' is not supported here (only {allowed[0]!r}), got {value!r}", name,
-                             "unsupported_parameter")
+class ChatRequest(_Body):
+    """A `/v1/chat/completions` body: the messages, and `max_completion_tokens` as OpenAI's newer name."""
+
+    chat: ClassVar[bool] = True
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _newer_name(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    @property
+    def prompt(self) -> list[dict]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens  # None: as many as the context leaves
 
 
-def _common(body: dict, chat: bool, prompt, max_tokens_name: str) -> Params:
-    if not isinstance(body.get("model", ""), str):
-        raise BadRequest(f"'model' must be a string, got {body['model']!r}", "model")
-    n = _integer(body, "n", 1)
-    if n is not None and n != 1:
-        raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
-    if not isinstance(body.get("stream", False), bool):
-        raise BadRequest(f"'stream' must be true or false, got {body['stream']!r}", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
-    top_k = _integer(body, "top_k", -1)
-    return Params(prompt=prompt, chat=chat,
-                  max_tokens=_integer(body, max_tokens_name, 1) if max_tokens_name in body else (None if chat else 16),
-                  temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                  top_k=0 if top_k in (None, -1) else top_k,
-                  seed=_integer(body, "seed", 0),
-                  stop=_stop(body.get("stop")),
-                  stream=body.get("stream", False) is True,
-                  include_usage=bool(options and options.get("include_usage")))
-
-
-def parse_completion(body) -> Params:
-    """A `/v1/completions` body -> Params (prompt: text or token ids), or BadRequest."""
+def parse(body, chat: bool) -> CompletionRequest | ChatRequest:
+    """A decoded JSON body -> the endpoint's request model, or BadRequest naming the first bad parameter."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    _check_fields(body, {"prompt"})
-    if "prompt" not in body:
-        raise BadRequest("'prompt' is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        raise BadRequest(f"one prompt per request (got a batch of {len(prompt)})", "prompt")
-    if isinstance(prompt, list):
-        if not prompt or not all(_is_int(t) for t in prompt):
-            raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise BadRequest(f"'prompt' must be a non-empty string or a non-empty list of token ids, got {prompt!r}",
-                         "prompt")
-    return _common(body, False, prompt, "max_tokens")
+    try:
+        return (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise _bad(e.errors(include_url=False)[0]) from None
 
 
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in PLAIN_ROLES:
-            raise BadRequest(f"messages[{i}] needs a 'role' among {sorted(PLAIN_ROLES)}", f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string, got {content!r}", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def parse_chat(body) -> Params:
-    """A `/v1/chat/completions` body -> Params (prompt: the messages), or BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    _check_fields(body, {"messages", "max_completion_tokens"})
-    if "messages" not in body:
-        raise BadRequest("'messages' is required", "messages")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _common(body, True, _messages(body["messages"]), name)
+def _bad(error: dict) -> BadRequest:
+    """pydantic's error -> BadRequest: its location as the param ("messages[0].role"), a message naming it."""
+    loc = error["loc"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc)) or None
+    kind, message = error["type"], error["msg"]
+    if kind == "missing":
+        return BadRequest(f"'{param}' is required", param)
+    if kind == "extra_forbidden":
+        return BadRequest(f"unsupported parameter '{param}'", param, "unsupported_parameter")
+    if kind == "unsupported_parameter":
+        return BadRequest(message, param, kind)
+    if kind == "value_error":
+        message = message.removeprefix("Value error, ")
+        return BadRequest(message if message.startswith("'") else f"'{param}' {message}", param)
+    return BadRequest(f"'{param}': {message[0].lower()}{message[1:]}, got {error.get('input')!r}", param)
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], list[str]]:

@@ -6,7 +6,7 @@ Endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (with `"stream
 events: one `data: {...}` chunk per token, then `data: [DONE]`), `GET /v1/models`, `GET /health`
 (the engine's KV blocks, free and in all, its running and waiting requests, and how many requests were
 cancelled because their client hung up). The request bodies
-and their checks are protocol.py's.
+(pydantic models) and their checks are protocol.py's.
 
 One engine, sized once, runs its loop in a background thread for the server's whole life (FastAPI's
 lifespan); each request is one `Serving.submit(...)` (loop.py), and its stream is read on the event loop without
@@ -34,11 +34,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..core.engine import Engine
-from ..core.requests import SamplingParams
 from ..core.timeline import Timeline
+from .diagnostics import gc_pauses
 from .loop import TIMELINE_LIMIT, QueueFull, Serving
 from . import protocol
-from .protocol import BadRequest, Params
+from .protocol import BadRequest, ChatRequest, CompletionRequest
 
 # engine argument names -> the OpenAI parameter a client sent
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature": "temperature", "top_p": "top_p",
@@ -70,7 +70,7 @@ class ServerState:
                 s.cancel()
                 self.cancelled += 1
 
-    def tokens(self, p: Params) -> tuple[list[int], list[str]]:
+    def tokens(self, p: CompletionRequest | ChatRequest) -> tuple[list[int], list[str]]:
         """The prompt's token ids, and stop strings a chat template adds."""
         tok, vocab = self.model.tokenizer, self.model.vocab_size
         if isinstance(p.prompt, list) and not p.chat:
@@ -85,7 +85,7 @@ class ServerState:
             return protocol.chat_prompt(tok, p.prompt)
         return list(tok.encode(p.prompt)), []
 
-    def submit(self, p: Params):
+    def submit(self, p: CompletionRequest | ChatRequest):
         """Check the request against the model, then hand it to the engine -> (stream, prompt length)."""
         ids, extra_stop = self.tokens(p)
         if (p.stop or extra_stop) and self.model.tokenizer is None:
@@ -94,16 +94,14 @@ class ServerState:
         if len(ids) >= context:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the model's context is {context}", "prompt",
                              "context_length_exceeded")
-        max_tokens = context - len(ids) if p.max_tokens is None else p.max_tokens
+        max_tokens = context - len(ids) if p.max_new_tokens is None else p.max_new_tokens
         if len(ids) + max_tokens > context:
             raise BadRequest(f"'max_tokens' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for "
                              f"{context - len(ids)} in the model's context of {context}", "max_tokens",
                              "context_length_exceeded")
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
         try:
-            params = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed,
-                                    max_new_tokens=max_tokens, eos_token_id=self.eos, stop=tuple(p.stop + extra_stop))
-            s = self.served.submit(ids, params)
+            s = self.served.submit(ids, p.sampling(max_tokens, self.eos, seed, extra_stop))
         except ValueError as e:  # the engine names its argument: translate it to the client's name
             param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
             raise BadRequest(str(e), param) from None
@@ -127,7 +125,7 @@ async def _watch_disconnect(state: ServerState, request, s) -> None:
             return
 
 
-async def _sse(state: ServerState, request, s, prompt_tokens: int, p: Params):
+async def _sse(state: ServerState, request, s, prompt_tokens: int, p: CompletionRequest | ChatRequest):
     rid, name = protocol.new_id(p.chat), state.name
     watcher = asyncio.ensure_future(_watch_disconnect(state, request, s))
     n = 0
@@ -158,9 +156,9 @@ async def _handle(state: ServerState, request, chat: bool):
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        p = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
-        if body.get("model") not in (None, "", state.name):
-            raise BadRequest(f"the model {body['model']!r} does not exist (this server has {state.name!r})",
+        p = protocol.parse(body, chat)
+        if p.model not in ("", state.name):
+            raise BadRequest(f"the model {p.model!r} does not exist (this server has {state.name!r})",
                              "model", "model_not_found", 404)
         s, prompt_tokens = state.submit(p)
     except BadRequest as e:
@@ -219,7 +217,7 @@ def _lifespan(state: ServerState):
     async def lifespan(app):
         timeline = Timeline(limit=TIMELINE_LIMIT)  # Serving's default, held here to be saved
         try:
-            with timeline.gc_pauses(), Engine(state.model) as engine, Serving(engine, **state.serving,
+            with gc_pauses(timeline), Engine(state.model) as engine, Serving(engine, **state.serving,
                                                                               timeline=timeline) as served:
                 state.served = served
                 await asyncio.to_thread(_warm_up, state)

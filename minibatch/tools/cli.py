@@ -150,6 +150,7 @@ def _chrome_trace(results, timelines, path) -> None:
 def bench_cmd(args) -> None:
     from . import bench
     from . import floors
+    from ..core.device import platform
     from ..core.engine import Engine
     from ..model.model import load_model
 
@@ -173,13 +174,13 @@ def bench_cmd(args) -> None:
         kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
         workload["arrivals"] = args.arrivals
     compiled = {m: bench.split_mode(m)[1] for m in args.modes}
-    if any(compiled.values()) and model.device.type != "cuda":
+    if any(compiled.values()) and not platform(model.device).compiles:
         raise ValueError("+compile and +dynamic modes need a CUDA model (decode steps through torch.compile)")
     engine = Engine(model)  # one engine for every mode: CUDA graphs are captured once, in the warm-up
     if args.warmup:  # untimed: first launches, cuDNN plans, compiles and (graphs on) the CUDA graph captures
         for mode in args.modes:
             # full workload where shapes get captured or compiled, so none is left for the timed run
-            full = model.device.type == "cuda" and (args.cuda_graphs != "off" or bool(compiled[mode]))
+            full = platform(model.device).graphs and (args.cuda_graphs != "off" or bool(compiled[mode]))
             few = {k: v[:4] if k == "arrival_steps" else v for k, v in kw.items()}
             bench.run_mode(engine, prompts if full else prompts[:4], mode, args.max_new_tokens if full else 4,
                            **{**(kw if full else few), "progress": False})
@@ -212,10 +213,11 @@ def _hf_runs(args, model, prompts, results: list, outs: dict) -> None:
     """transformers' continuous batching, each of --hf's modes in a process of its own
     (bench.hf_in_own_process): its results and tokens join ours."""
     from . import bench
+    from ..core.device import platform
 
     configs = [dict()]
     if args.hf != ["default"]:
-        graphs = (False, True) if model.device.type == "cuda" else (False,)  # graphs need a GPU
+        graphs = (False, True) if platform(model.device).graphs else (False,)  # graphs need a GPU
         configs = [dict(use_async=a, use_graphs=g, memory=args.hf_memory) for a in (False, True) for g in graphs
                    if f"{'async' if a else 'sync'}_{'graphs' if g else 'eager'}" in args.hf]
     for c in configs:

@@ -61,9 +61,10 @@ def summarize(streams: list) -> dict:
 
 
 def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes=("sync", "async"),
-            warmup: bool = True, seed: int = 0, progress: bool = False, **serving) -> list[dict]:
-    """For each mode and rate, one serving run of `prompts` at that rate: a row of `summarize` each.
-    A warm-up pass (all at once) first fills the caches and captures the CUDA graphs of each mode."""
+            progress: bool = False, **serving) -> list[dict]:
+    """For each mode and rate, one serving run of `prompts` at that rate (arrival times of seed 0):
+    a row of `summarize` each. A warm-up pass (all at once) first fills the caches and captures the
+    CUDA graphs of each mode. `serving`: Serving's options (max_batch_size=..., compile=...)."""
     from ..core.engine import Engine
     from ..serving.loop import Serving
 
@@ -75,10 +76,9 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
     with Engine(model) as engine:
         for mode in modes:
             with Serving(engine, mode, **serving) as server:
-                if warmup:
-                    run_arrivals(server, prompts, math.inf, max_new_tokens, seed)
+                run_arrivals(server, prompts, math.inf, max_new_tokens)
                 for rate in rates:
-                    streams = run_arrivals(server, prompts, rate, max_new_tokens, seed, bar)
+                    streams = run_arrivals(server, prompts, rate, max_new_tokens, progress=bar)
                     rows.append({"mode": mode, "rate": rate, **summarize(streams)})
     if bar is not None:
         bar.close()

@@ -76,14 +76,13 @@ print(f"each in a process of its own, a later step (2026-12-01): async+compile {
 #   100% busy, the best it can do is remove the sync loop's idle share, so the ratio is close to the
 #   sync loop's busy fraction: 76% in the article, 83% <!-- from figures/data/headline.json: same_process.sync_busy_pct --> here (81% <!-- from figures/data/headline.json: same_process.sync_compile_busy_pct --> compiled). Our
 #   sync loop leaves less idle time to win back; we did not slow it down to make async look better.
-#   Later runs with a faster step (the README's results table) left the sync loop busy 85-88% <!-- from figures/data/headline.json: headline.sdpa_sync_busy_pct, headline.triton_sync_busy_pct -->
-#   and gave ratios of 0.84 and 0.85 <!-- from figures/data/headline.json: headline.sdpa_ratio, headline.triton_ratio -->: the same rule.
+#   With the faster steps of section 3 (the README's results table) the sync loop is busy 85-88% <!-- from figures/data/headline.json: headline.sdpa_sync_busy_pct, headline.triton_sync_busy_pct -->
+#   and the ratios are 0.84 and 0.85 <!-- from figures/data/headline.json: headline.sdpa_ratio, headline.triton_ratio -->: the same rule.
 # * **Against transformers' own continuous batching** on the same model and prompts, its fastest
 #   mode here was synchronous with CUDA graphs. Run in the same process after our engine, it gets
 #   less GPU memory and looks slower than it is; each in a process of its own (the second line), our
 #   fastest mode is 6.32x <!-- from figures/data/headline.json: vs_transformers.speedup --> its fastest, the number the README quotes. (Its async modes were slower than its sync modes on
-#   this workload, in this version. The project measured 701 tok/s for its best mode on another day;
-#   we are several times faster than either number.) Its bf16 tokens differ from ours: random
+#   this workload, in this version.) Its bf16 tokens differ from ours: random
 #   weights give nearly flat logits, and different kernels round differently; in float32 the tokens
 #   agree (the tests).
 # * The sync and async loops give the **same tokens**, 32/32, with and without compile.
@@ -170,9 +169,9 @@ print("the sdpa argmax step's kernels, summed over one replay:", " ".join(sdpa_l
 # %% [markdown]
 # Read it top to bottom; each of the first four bars is one more change, all measured in one process.
 # The last bar comes from a second process (`step_ab.py --compile`, its own floor: 4.64 ms again) and
-# goes back to 512 keys: when it was recorded, the compiled step used SDPA, whose kernels depend on
-# the number of keys, so compiled runs padded keys to 256-key buckets to keep compilations few (with
-# the Triton kernel below, one compilation now serves every number of keys):
+# pads to 512 keys: compiled with SDPA attention, whose kernels depend on the number of keys, a step
+# pads keys to 256-key buckets to keep compilations few (with the Triton kernel below, one
+# compilation serves every number of keys):
 #
 # 1. **Greedy rows need no sort.** The sampler sorts the 128k-token vocabulary of every row (for
 #    top-k/top-p) even when every row is greedy. The host knows when a batch is all greedy, so it
@@ -403,11 +402,12 @@ for r in sweep:
 #   512, 0.70 <!-- from figures/data/headline.json: sweep.ratio_min --> at batch 1 with 2048): its steps are the shortest (16 layers, ~2.5 ms), so the host's work is a large share of
 #   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
 #   most of the run, and the ratio goes towards 1.
-# * **The async loop keeps the device busy at every point: 99.2-100% <!-- from figures/data/headline.json: sweep.busy_min_pct, sweep.busy_max_pct -->.** It did not always: before
-#   prefill steps could be CUDA graphs (`core/graphs.py`, `batch.pad_flat`), the small shapes dropped to
-#   97.8-98.8%, because an eager prefill step of a small model is bound by the host launching its
-#   kernels. The device then never ran far ahead of the host, and waited while the host prepared the
-#   next step. Padded to bucketed sizes and replayed, prefill steps are queued like decode steps.
+# * **The async loop keeps the device busy at every point: 99.2-100% <!-- from figures/data/headline.json: sweep.busy_min_pct, sweep.busy_max_pct -->.** That takes prefill
+#   steps that are CUDA graphs too (`core/graphs.py`, `batch.pad_flat`): an eager prefill step of a
+#   small model is bound by the host launching its kernels, so the device cannot run ahead of the
+#   host and waits while the host prepares the next step (the small shapes are 97.8-98.8% busy with
+#   eager prefill steps). Padded to bucketed sizes and replayed, prefill steps are queued like decode
+#   steps.
 # * **Size in parameters is not what sets a small model's step.** The 0.6B shape's decode step is
 #   4-7 ms, longer than the 1B shape's: 28 layers make ~1400 small kernels per step, and their own
 #   latency, not the bytes they read, sets the time. (The sweep's file also holds each run's median
@@ -570,11 +570,10 @@ exercises.check_07(globals().get("async_over_sync"))
 #
 #     device busy <= device / max(host, device)
 #
-# The recorded sweep (section 4) came close to this case twice. Decode steps of the small shapes
-# last a few milliseconds, and the host's work per step grows with the batch. And an eager prefill step
-# of a small model is as long as the host's launching of its kernels, so the host's next prepare was
-# device idle time at every prefill step: the busy fraction stayed below 99% at six points until
-# prefill steps, too, became CUDA graphs. The host's share grows with the batch: every
+# Small models come close to this case. Their decode steps last a few milliseconds, and the host's
+# work per step grows with the batch; an eager prefill step of a small model is as long as the host's
+# launching of its kernels, which is why prefill steps are CUDA graphs too (section 4). The host's
+# share grows with the batch: every
 # running request is planned, its inputs and keys laid out, its token handed back, every step. Here
 # is that work alone, without a model (the scheduler, `build_batch` and `update` for decoding
 # requests with 256 tokens of context), for growing batches:

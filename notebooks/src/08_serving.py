@@ -21,6 +21,7 @@ import torch
 
 import minibatch
 from minibatch.core.timeline import Timeline
+from minibatch.serving.diagnostics import bursts, window
 from minibatch.serving.loop import Serving
 from minibatch.tools.online import arrival_times, compare, summarize
 
@@ -285,9 +286,10 @@ print("server exit code:", server.wait(timeout=30))
 
 # %% [markdown]
 # The server was started with `--timeline FILE`, so as it stopped it wrote its engine's timeline:
-# every step's spans, as in notebook 06, and each request's arrival as a mark. `Timeline.bursts()`
+# every step's spans, as in notebook 06, and each request's arrival as a mark. `bursts(timeline)`
 # cuts it into busy periods (a pause of half a second ends one; `bench-serve` pauses a second
-# between rates) and `Timeline.window()` sums one up. The last burst is rate inf: all sixteen
+# between rates) and `window(timeline, start, end)` sums one up (both in
+# `minibatch/serving/diagnostics.py`). The last burst is rate inf: all sixteen
 # requests sent at once, yet they reach the engine one HTTP request at a time, over some
 # milliseconds, and the steps that serve them are what the offline engine's would be plus the
 # effect of sharing the CPU with the HTTP server and the client (`scripts/timeline_bursts.py`
@@ -297,13 +299,13 @@ print("server exit code:", server.wait(timeout=30))
 # NBVAL_IGNORE_OUTPUT
 served = Timeline.load(server_timeline)
 print(f"{'start s':>8} {'arrived':>7} {'over ms':>8} {'steps':>6} {'busy':>5} {'ms/step':>8}")
-for start, end in served.bursts():
-    w = served.window(start, end)
+for start, end in bursts(served):
+    w = window(served, start, end)
     print(f"{start:8.2f} {w['arrivals']:7d} {1000 * w['arrival_spread_s']:8.1f} {w['steps']:6d} "
           f"{w['device_busy']:5.0%} {w['ms_per_step']:8.2f}")
 
 # %%
-last = served.window(*served.bursts()[-1])
+last = window(served, *bursts(served)[-1])
 print("requests in the last burst:", last["arrivals"], "| steps:", last["steps"] > 0)
 
 # %% [markdown]
@@ -346,16 +348,20 @@ fig.savefig(f"{FIGURES}/08_http_gpu.png", dpi=110)
 # rate inf a second time). Time to first token is higher than transformers' too from 16 requests per
 # second on (350 <!-- from figures/data/headline.json: serving.ours_ttft_p50_16_ms --> ms against 185 <!-- from figures/data/headline.json: serving.tf_ttft_p50_16_ms --> ms at 16/s).
 #
-# One suspect is the CUDA graphs of notebook 04. A graph is captured the first time its step shape
+# ## 6. Three things a server must do that an offline run need not
+#
+# Offline, a run meets its step shapes in a repeatable order, and a warm-up pass pays every one-time
+# cost before the timing starts. A server meets its shapes when requests happen to arrive, with
+# clients waiting. Three costs follow from that, each with its remedy in `serve`.
+#
+# **Capture CUDA graphs for decode steps only.** A graph is captured the first time its step shape
 # comes up: the step runs eagerly, the device drains, the step is recorded and replayed, and every
-# request waits meanwhile. Offline, the shapes repeat. In a server, a prefill or mixed step's shape
-# (its token and key buckets) follows when requests happened to arrive, so new shapes keep coming.
-# `Serving.stats()` counts the captures (`graph_captures`) and the seconds they held the loop
-# (`graph_capture_s`); the server prints both as it stops. A second H200 run compared graphing
-# every step with graphing decode steps only (`serve --cuda-graphs decode`: prefill and mixed steps
-# run eagerly), each server at the four rates and then, after an untimed pass of the whole workload
-# (`bench-serve --warmup`), at rate inf once more:
-
+# request waits meanwhile. A decode step's shape recurs for as long as the batch keeps its size, so
+# its graph is replayed many times; a prefill or mixed step's shape (its token and key buckets)
+# follows the arrivals, so most are met once or twice. `Serving.stats()` counts the captures
+# (`graph_captures`) and the seconds they held the loop (`graph_capture_s`); the server prints both
+# as it stops. The figure below compares the two choices on the H200, at the four rates and then,
+# after an untimed pass of the whole workload (`bench-serve --warmup`), at rate inf once more:
 # %%
 GRAPHS_GPU = "../figures/data/runs/gpu_serving_graphs_2026-12-01/"
 graph_runs = json.load(open(GRAPHS_GPU + "bench_serve.json"))["runs"]
@@ -386,53 +392,43 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 
 # %% [markdown]
 # Graphing every step, the server captured 100 <!-- from figures/data/headline.json: serving_graphs.every_captures --> graphs over its life, and they held its
-# loop 19.7 <!-- from figures/data/headline.json: serving_graphs.every_capture_s --> s; its warm rate-inf pass was even slower than its first
-# (3341 <!-- from figures/data/headline.json: serving_graphs.every_warm_tok_s --> tokens/s), perhaps as new arrivals brought new shapes (the server counts
-# captures over its whole life, so that run cannot say which pass paid for them). Graphing decode steps
-# only: 44 <!-- from figures/data/headline.json: serving_graphs.decode_captures --> captures, 5.2 <!-- from figures/data/headline.json: serving_graphs.decode_capture_s --> s, the same gap between tokens, and more
-# tokens per second from 32 requests per second on (3994 <!-- from figures/data/headline.json: serving_graphs.decode_inf_tok_s --> against
-# 3763 <!-- from figures/data/headline.json: serving_graphs.every_inf_tok_s --> at rate inf). A decode step's shape recurs for as long as the batch keeps
-# its size, so its graph is replayed many times; most prefill shapes are not. That is why `serve`
-# graphs decode steps only unless told otherwise (`--cuda-graphs on`), while offline runs graph
-# every step. At a few requests per second the eager prefill is the price: a newcomer's first token
-# comes later than with every step graphed (BENCHMARKS.md has every rate).
+# loop 19.7 <!-- from figures/data/headline.json: serving_graphs.every_capture_s --> s; even its warm rate-inf pass was slow (3341 <!-- from figures/data/headline.json: serving_graphs.every_warm_tok_s --> tokens/s), as new
+# arrivals kept bringing new shapes. Graphing decode steps only: 44 <!-- from figures/data/headline.json: serving_graphs.decode_captures --> captures, 5.2 <!-- from figures/data/headline.json: serving_graphs.decode_capture_s --> s,
+# the same gap between tokens, and more tokens per second from 32 requests per second on
+# (3994 <!-- from figures/data/headline.json: serving_graphs.decode_inf_tok_s --> against 3763 <!-- from figures/data/headline.json: serving_graphs.every_inf_tok_s --> at rate inf). So `serve` graphs decode steps only unless told
+# otherwise (`--cuda-graphs on`), while offline runs graph every step. The price is the eager
+# prefill at a few requests per second: a newcomer's first token comes a little later (BENCHMARKS.md
+# has every rate). What remains of the gap to the offline engine, 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of its throughput,
+# sits at the start and the end of a run this short: requests reach the engine one HTTP request at a
+# time rather than all in step 0. Over 256 requests the server reaches about nine tenths of the
+# offline engine, with as many steps, each as fast.
 #
-# It closes part of the gap, not all: 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of the offline engine's throughput.
-# What remains sits at the start and the end of a run this short (a few seconds): requests reach the
-# engine one HTTP request at a time rather than all in step 0. A run four times as long (256 requests)
-# shows it: the server then reached about nine tenths of the offline engine, with as many steps, each
-# as fast (BENCHMARKS.md, Serving, fourth run). `serve --timeline FILE` writes the
-# engine's timeline, with each request's arrival as a mark, when the server stops, so the next run
-# can show where the time went, with the plots of notebook 06.
+# **Compile once for every batch size.** Offline, `compile=True` compiles a decode step once per
+# batch size, the first time that size comes up, and a warm-up pass does that before timing. A server
+# compiled that way compiles mid-run, with every request waiting: its first rate-inf run streamed
+# 87 <!-- from figures/data/headline.json: serving_graphs.compile_inf_tok_s --> tokens per second. So a server compiles with `compile="dynamic"`: the batch
+# size stays a symbol in the compiled code (it reaches the model as a tensor's length,
+# `Batch.rows()`, not as a Python number that torch.compile would bake in), one compile serves every
+# size, and the server does it before it says it is ready. That general code runs the offline 8B
+# workload as fast as code compiled for each size (BENCHMARKS.md). Only the forward is compiled that
+# way: with the batch size a symbol, torch's compiler cannot generate the top-k/top-p sampler for
+# Llama 3's vocabulary of 128256 tokens, so the sampler is a small graph of its own for each sampling
+# variant, or runs eagerly when a request asks for top-k or top-p. Test each compiled path you will
+# use, at the sizes you will use. Compiled, the server's tokens come 6.0 <!-- from figures/data/headline.json: serving_compile.itl_p50_ms --> ms apart at the
+# median, against 9.1 <!-- from figures/data/headline.json: serving.ours_itl_p50_max_ms --> ms uncompiled. Its first burst still meets new batch sizes and key
+# lengths, each a CUDA graph to capture: 3339 <!-- from figures/data/headline.json: serving_compile.inf_tok_s --> tokens per second, and
+# 5504 <!-- from figures/data/headline.json: serving_compile.warm_inf_tok_s --> for the same workload again (the offline engine: 6975 <!-- from figures/data/headline.json: serving_compile.offline_dynamic_tok_s -->). A server's first
+# minutes are not its steady state.
 #
-# `--compile` is the other lesson. Offline, `compile=True` compiles a decode step once per batch size,
-# the first time that size comes up, and a warm-up pass does that before timing. A server meets
-# each size mid-run, with every request waiting: compiled that way, its first rate-inf run streamed
-# 87 <!-- from figures/data/headline.json: serving_graphs.compile_inf_tok_s --> tokens per second while its batch sizes compiled one by one. So a server compiles
-# with `compile="dynamic"`: the batch size stays a symbol in the compiled code (it reaches the model
-# as a tensor's length, `Batch.rows()`, not as a Python number that torch.compile would bake in), one
-# compile serves every size, and the server does it before it says it is ready. On the H200 that
-# general compiled code ran the offline 8B workload as fast as the one compiled for each batch size
-# (BENCHMARKS.md). One more lesson came from the server itself: with the batch size a symbol, torch's
-# compiler could not generate the top-k/top-p sampler for Llama 3's vocabulary of 128256 tokens, and
-# the server's warm-up failed. So only the forward is compiled that way, once for every sampling
-# variant; the sampler is a small graph of its own, or runs eagerly when a request asks for top-k or
-# top-p. A compiler is a dependency like any other: test each path you will use, at the sizes you
-# will use. The compiled server's tokens then came 6.0 <!-- from figures/data/headline.json: serving_compile.itl_p50_ms --> ms apart at the median, against
-# 9.1 <!-- from figures/data/headline.json: serving.ours_itl_p50_max_ms --> ms uncompiled. Its first burst of requests still paid for something: each new batch
-# size and key length meets a CUDA graph to capture, and the first rate-inf run streamed
-# 3339 <!-- from figures/data/headline.json: serving_compile.inf_tok_s --> tokens per second. The same workload again, on the same server, streamed
-# 5504 <!-- from figures/data/headline.json: serving_compile.warm_inf_tok_s --> (the offline engine: 6975 <!-- from figures/data/headline.json: serving_compile.offline_dynamic_tok_s -->), its steps now as fast as offline; the rest is
-# the start and end of a short run, as above. A server's first minutes are not its steady state.
-#
-# The last stall came from Python itself. Now and then the garbage collector makes a full pass: it
-# walks every object it tracks, looking for cycles, and whichever thread runs it holds the
-# interpreter lock all the while. A process that has imported torch and transformers and loaded a
-# model tracks hundreds of thousands of objects, so every stream stopped at once: for
-# 305 <!-- from figures/data/headline.json: serving_gc.gpu_pause_min_ms -->-314 <!-- from figures/data/headline.json: serving_gc.gpu_pause_max_ms --> ms per pass in an 8B server on the H200, a `gc` span in its timeline with the
-# device idle beside it. Those objects live as long as the server, so once it is warm `serve` moves
-# them out of the collector's reach with `gc.freeze()`; on a 2-core CPU one full pass then took
-# 29.8 <!-- from figures/data/headline.json: serving_gc.cpu_frozen_collect_ms --> ms instead of 365 <!-- from figures/data/headline.json: serving_gc.cpu_full_collect_ms --> ms. Latency has sources below your own code: measure them too.
+# **Keep the heap out of the garbage collector's reach.** Now and then Python's collector makes a
+# full pass: it walks every object it tracks, looking for cycles, and whichever thread runs it holds
+# the interpreter lock all the while. A process that has imported torch and transformers and loaded
+# a model tracks hundreds of thousands of objects, so every stream stops at once: for
+# 305 <!-- from figures/data/headline.json: serving_gc.gpu_pause_min_ms -->-314 <!-- from figures/data/headline.json: serving_gc.gpu_pause_max_ms --> ms per pass in an 8B server on the H200, a `gc` span in its timeline
+# (`diagnostics.gc_pauses`) with the device idle beside it. Those objects live as long as the server,
+# so once it is warm `serve` moves them out of the collector's reach with `gc.freeze()`; on a 2-core
+# CPU one full pass then takes 29.8 <!-- from figures/data/headline.json: serving_gc.cpu_frozen_collect_ms --> ms instead of 365 <!-- from figures/data/headline.json: serving_gc.cpu_full_collect_ms --> ms. Latency has sources below
+# your own code: measure them too.
 #
 # ## Summary
 #
@@ -444,6 +440,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 #   may wait for the step in flight.
 # * Over HTTP the engine is an OpenAI-compatible server; `bench-serve` measures any such server
 #   through the client its users have, and TTFT, ITL and goodput are what it reports.
+# * A server meets its step shapes as requests arrive: it graphs decode steps only, compiles once for
+#   every batch size, and freezes its heap once warm.
 #
 # ## Exercise
 #
