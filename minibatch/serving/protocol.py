@@ -83,7 +83,7 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop: Any = None
+    stop: Any = Field(None, validate_default=True)  # -> a list of strings
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
