@@ -83,7 +83,7 @@ def servers():
     """Both servers start at once (start-up is mostly imports and loading: they overlap)."""
     big = Server("--mode", "async", "--max-batch-size", "8", "--max-batch-tokens", "128", "--max-queue", "64",
                  "--gc-freeze", "off")  # Python's own garbage collection
-    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE,
+    small = Server("--mode", "async", "--max-batch-size", "1", "--max-queue", "1", "--timeline", TIMELINE, "--grace-period", "0",
                    "--loop", "asyncio", "--http", "h11")  # the plain stack; the big one takes what is installed
     try:
         yield big.wait_ready(), small.wait_ready()

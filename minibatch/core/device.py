@@ -163,6 +163,11 @@ class Device:
     def flush_timeline(self) -> None:
         """Add finished device spans to the timeline (the cpu workers add theirs themselves)."""
 
+    def failure(self) -> str | None:
+        """Why this device can do no more work (a device process that died), read from any thread
+        without waiting; None while it can. A server's watchdog asks (serving/guard.py)."""
+        return None
+
     def __enter__(self) -> "Device":
         return self
 

@@ -371,6 +371,15 @@ class CpuDevice(Device):
             how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
             self._error = (_unreachable(f"it died: {how}", hint=True), None)
 
+    def failure(self) -> str | None:
+        if self._error is not None:
+            return self._error[0]
+        code = None if self._closed else self._proc.exitcode  # (polls the process: never waits)
+        if code is None:
+            return None
+        how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        return f"the cpu device's process (pid {self._proc.pid}) died: {how}"
+
     def _recv(self) -> None:
         try:
             msg = pickle.loads(self._conn.recv_bytes())

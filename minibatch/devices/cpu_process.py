@@ -221,6 +221,9 @@ def serve(conn, host_conn, switch_interval: float, torch_threads: int, cores=Non
         if watch is not None:
             lifecycle.die_with_host(*watch)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle; it then closes us
+        # SIGTERM ends this process, as it ends any: a handler the host had installed (a server's
+        # graceful stop) came along with the fork, and would otherwise swallow it here
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if cores:  # this process and the threads it starts stay off the host's core
             try:
                 os.sched_setaffinity(0, cores)

@@ -57,6 +57,7 @@ class ServingLoop:
         self.streams: dict[Request, TokenStream] = {}  # online requests still running, and their streams
         self.closing = False
         self.error: BaseException | None = None
+        self.turn_started: float | None = None  # time.monotonic() as the turn under way began (None: idle)
         self.thread: threading.Thread | None = None
         self._cpu_s = 0.0  # CPU seconds of the background thread as of its last turn (see cpu_s)
         self._clock: int | None = None  # that thread's CPU clock, where the OS lends one
@@ -179,7 +180,9 @@ class ServingLoop:
                     self.cond.wait_for(lambda: self.closing or self.inbox or self.cancels or scheduler.has_work())
                     if self.closing:
                         return
+                self.turn_started = time.monotonic()
                 self.turn()
+                self.turn_started = None
                 self._cpu_s = time.thread_time()
         except BaseException as e:  # noqa: BLE001 — every reader must learn of it, not wait forever
             self.error = e
@@ -201,6 +204,23 @@ class ServingLoop:
             else:
                 stream.put(Chunk([], "", "cancelled"), now)
         self.streams.clear()
+
+    def failure(self, stall_s: float) -> str | None:
+        """Why this loop serves no more, read from any thread: its error, its thread gone, or a turn
+        under way for more than `stall_s` seconds (a device that stopped answering); None while it
+        works. An idle loop waits for work, which is no stall."""
+        if self.error is not None:
+            return f"the engine's loop failed: {type(self.error).__name__}: {self.error}"
+        dev = self.engine.dev
+        why = dev.failure() if dev is not None else None
+        if why is not None:
+            return why
+        if self.thread is not None and not self.thread.is_alive() and not self.closing:
+            return "the engine's loop has ended"
+        started = self.turn_started
+        if started is not None and time.monotonic() - started > stall_s:
+            return f"the engine has not come back from a step for {time.monotonic() - started:.0f} s"
+        return None
 
     def close(self) -> None:
         """Stop the thread (the step in flight completes first) and end every open stream."""

@@ -32,17 +32,27 @@ def _slo(arg: str) -> dict:
 
 def serve_cmd(args) -> None:
     from ..model.model import load_model
+    from ..serving import guard
     from ..serving.server import serve
 
     if args.timeline is not None:  # refused now, not after the whole run when the server stops
         _writable(os.path.dirname(os.path.abspath(args.timeline)), "--timeline")
+    options = guard.ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body_mb=args.max_body_mb,
+                                 body_timeout=args.body_timeout, engine_timeout=args.engine_timeout,
+                                 grace_period=args.grace_period, docs=args.docs, timeline=args.timeline,
+                                 loop=args.loop, http=args.http, gc_freeze=args.gc_freeze == "on",
+                                 switch_interval_ms=args.switch_interval_ms)
+    try:  # before the model loads: a port in use is known in a moment, not after the load
+        sock = guard.bind(args.host, args.port)
+    except OSError as e:
+        print(f"minibatch: error: cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server "
+              "there? choose --port)", file=sys.stderr, flush=True)
+        os._exit(1)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    code = serve(model, name=args.served_model_name or args.model, host=args.host, port=args.port, mode=args.mode,
+    code = serve(model, args.served_model_name or args.model, options, sock, mode=args.mode,
                  max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                  block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
-                 switch_interval_ms=args.switch_interval_ms, timeline=args.timeline, loop=args.loop, http=args.http,
-                 gc_freeze=args.gc_freeze == "on")
+                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()
@@ -95,8 +105,26 @@ def add_serving(sub) -> None:
                         "when the server stops; minibatch.Timeline.load(FILE).plot() draws it")
     s.add_argument("--max-queue", type=_int(1), default=None,
                    help="waiting requests beyond which the server answers 503 (default: no limit)")
+    _add_guards(s)
     s.set_defaults(func=serve_cmd)
     _add_bench_serve(sub)
+
+
+def _add_guards(s) -> None:
+    """serve's flags for who may call it and what it takes (serving/guard.py)."""
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: the MINIBATCH_API_KEY "
+                        "environment variable; none if unset); /health stays open")
+    s.add_argument("--max-body-mb", type=_float(0.0, low_open=True), default=4.0,
+                   help="the largest request body in MiB (413 beyond it)")
+    s.add_argument("--body-timeout", type=_float(0.0, low_open=True), default=30.0,
+                   help="seconds a client may take to send its request body (408 after)")
+    s.add_argument("--engine-timeout", type=_float(0.0, low_open=True), default=60.0,
+                   help="seconds one engine step may take while requests wait before the engine counts as dead "
+                        "(/health 503, open requests end with an error, the server exits with status 3)")
+    s.add_argument("--grace-period", type=_float(0.0), default=30.0,
+                   help="on SIGTERM or Ctrl-C: seconds running requests get to finish before they are ended")
+    s.add_argument("--docs", action="store_true", help="serve the API's pages at /docs and /openapi.json")
 
 
 def _add_bench_serve(sub) -> None:
