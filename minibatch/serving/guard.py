@@ -31,7 +31,8 @@ from .protocol import BadRequest
 
 API_KEY_VAR = "MINIBATCH_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1")
-EXIT_ENGINE_DEAD = 3  # the engine failed while serving (0: a clean stop, 1: the server could not start)
+EXIT_ENGINE_DEAD = 3  # the engine failed while serving (0: a clean stop, 1: the server could not start,
+# 2: a bad flag or a port in use, cli.main)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ lifespan); each request is one `Serving.submit(...)` (loop.py), and its stream i
 blocking it. A client that hangs up cancels its request (the engine frees its KV blocks at the next
 update); a full queue answers 503 with Retry-After. SIGINT or SIGTERM: the listening socket closes,
 running requests get `--grace-period` seconds to finish, the rest end (finish_reason "abort"), and the
-process exits with status 0. Exit status 1: the server could not start; 3: its engine died.
+process exits with status 0. Exit status 1: the server could not start; 2: a bad flag or a port in use;
+3: its engine died.
 
 Notebook 08 explains the server; bench_serve.py measures it.
 """

@@ -44,15 +44,17 @@ def serve_cmd(args) -> None:
                                  switch_interval_ms=args.switch_interval_ms)
     try:  # before the model loads: a port in use is known in a moment, not after the load
         sock = guard.bind(args.host, args.port)
-    except OSError as e:
-        print(f"minibatch: error: cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server "
-              "there? choose --port)", file=sys.stderr, flush=True)
-        os._exit(1)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    code = serve(model, args.served_model_name or args.model, options, sock, mode=args.mode,
-                 max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                 block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                 compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
+    except OSError as e:  # a user error (exit status 2, cli.main), in one line
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server there? "
+                      "choose another --port)") from None
+    try:
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        code = serve(model, args.served_model_name or args.model, options, sock, mode=args.mode,
+                     max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                     block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
+                     compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
+    finally:  # (after a bad option: the port is free again for the next try)
+        sock.close()
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
     # torch's modules, which takes seconds on a busy machine while whoever sent SIGTERM waits for the exit
     sys.stdout.flush()

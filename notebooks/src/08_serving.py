@@ -281,7 +281,7 @@ print(done.stdout)
 # %%
 measured = json.load(open(os.path.join(bench_out, "bench_serve.json")))["runs"]["async"]["rates"]
 print({rate: f"{r['completed']} ok, {r['failed']} failed" for rate, r in measured.items()})
-server.terminate()  # SIGTERM: stop taking requests, end open streams, exit 0
+server.terminate()  # SIGTERM: stop taking requests, let running ones finish, exit 0
 print("server exit code:", server.wait(timeout=30))
 
 # %% [markdown]
