@@ -271,6 +271,7 @@ BAD = [  # (endpoint, body, the param the error names)
     ("c", "not json", None), ("c", "[1, 2]", None), ("c", {}, "prompt"), ("c", {"prompt": ""}, "prompt"),
     ("c", {"prompt": 5}, "prompt"), ("c", {"prompt": [1, "a"]}, "prompt"), ("c", {"prompt": ["a", "b"]}, "prompt"),
     ("c", {"prompt": [99999]}, "prompt"), ("c", {"prompt": "x" * 600}, "prompt"),
+    ("c", {"prompt": "x" * 100_000}, "prompt"),  # past server.INLINE_BODY: parsed in the tokenizer thread
     ("c", {"prompt": "hi", "max_tokens": 0}, "max_tokens"), ("c", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("c", {"prompt": "hi", "max_tokens": True}, "max_tokens"), ("c", {"prompt": "hi", "max_tokens": 600}, "max_tokens"),
     ("c", {"prompt": "hi", "temperature": -1}, "temperature"), ("c", {"prompt": "hi", "temperature": "NaN"}, "temperature"),
@@ -287,7 +288,7 @@ BAD = [  # (endpoint, body, the param the error names)
 
 
 def test_bad_requests_get_400_with_an_openai_error_and_the_server_goes_on(server, client):
-    assert len(BAD) == 30
+    assert len(BAD) == 31
     for endpoint, body, param in BAD:
         path = "/v1/completions" if endpoint == "c" else "/v1/chat/completions"
         data = body if isinstance(body, str) else json.dumps(body).replace('"NaN"', "NaN")

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -67,6 +68,7 @@ class ServerState:
         self.created = int(time.time())
         self.dead: str | None = None  # why the engine can serve no more
         self.draining = False  # SIGTERM: no new requests, the running ones finish
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="minibatch-tokenizer")  # (INLINE_BODY)
 
     def refuse_new(self) -> None:
         """503 for a new request while the server stops or after its engine died."""
@@ -198,19 +200,34 @@ def _parse(raw: bytes, chat: bool):
     return protocol.parse(body, chat)
 
 
+# bodies up to this size are parsed and tokenized on the event loop (about a millisecond); larger ones
+# in the server's one tokenizer thread, so that a long prompt stalls no other stream. Not every body
+# in a thread of its own: a burst of requests would then be dozens of threads taking turns on the
+# interpreter's lock with the engine's loop, each turn up to the switch interval (5 ms)
+INLINE_BODY = 64 * 1024
+
+
+def _parse_and_submit(state: ServerState, raw: bytes, chat: bool):
+    p = _parse(raw, chat)
+    if p.model not in ("", state.name):
+        raise BadRequest(f"the model {p.model!r} does not exist (this server has {state.name!r})",
+                         "model", "model_not_found", 404)
+    return (p, *state.submit(p))
+
+
 async def _handle(state: ServerState, request, chat: bool):
-    """One completion or chat request: checked, tokenized and submitted off the event loop (a long
-    prompt's tokenization would stall every other stream), then answered whole or streamed."""
+    """One completion or chat request: checked, tokenized and submitted (a large body off the event
+    loop, INLINE_BODY), then answered whole or streamed."""
     opts = state.options
     try:
         state.refuse_new()
         guard.check_json(request.headers.get("content-type"))
         raw = await guard.read_body(request, opts.max_body, opts.body_timeout)
-        p = await asyncio.to_thread(_parse, raw, chat)
-        if p.model not in ("", state.name):
-            raise BadRequest(f"the model {p.model!r} does not exist (this server has {state.name!r})",
-                             "model", "model_not_found", 404)
-        s, prompt_tokens = await asyncio.to_thread(state.submit, p)
+        if len(raw) <= INLINE_BODY:
+            p, s, prompt_tokens = _parse_and_submit(state, raw, chat)
+        else:
+            p, s, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
+                state.tokenizer_thread, _parse_and_submit, state, raw, chat)
     except BadRequest as e:
         return _error(e)
     except guard.ClientGone:
