@@ -16,11 +16,11 @@ speed/, serving/ and tools/ plug into it. See README.md for the notebook map.
 """
 
 from . import devices  # noqa: F401  (the backends install their opener: core.device.open_device)
+from .core import VERSION as __version__
 from .core.config import EngineConfig
 from .core.engine import Engine, generate
 from .core.requests import SamplingParams
 from .core.timeline import Timeline
 from .model.model import Model, load_model
 
-__version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "generate", "load_model", "Model", "SamplingParams", "Timeline", "__version__"]

@@ -118,7 +118,7 @@ def offline():
             cache.update({(p, max_new_tokens): o for p, o in zip(todo, outs)})
         return [cache[p, max_new_tokens] for p in prompts]
 
-    run.tokenizer = tok
+    run.tokenizer, run.model = tok, model
     return run
 
 
@@ -185,12 +185,17 @@ def test_stop_string_ends_the_text_before_it(client, offline):
     assert r.choices[0].text == text[:text.index(stop)]
 
 
-def test_chat_uses_the_plain_template(client, offline):
+def test_chat_uses_the_plain_template_and_answers_in_words(client, offline):
     messages = [{"role": "user", "content": "What is a class?"}]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
-    prompt_ids = offline.tokenizer.encode("User: What is a class?\nAssistant:")
+    prompt_ids = offline.tokenizer.encode("User: What is a class?\nAssistant: ")
     assert r.usage.prompt_tokens == len(prompt_ids)
-    assert r.choices[0].message.role == "assistant" and "\nUser:" not in r.choices[0].message.content
+    answer = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and "\nUser:" not in answer
+    assert r.choices[0].message.refusal is None
+    assert len(answer.split()) >= 3, answer  # greedy, the tiny model says a few words (an empty reply looks broken)
+    assert answer == offline.tokenizer.decode(minibatch.generate(offline.model, [prompt_ids], max_new_tokens=30,
+                                                                 eos_token_id=offline.tokenizer.eos_token_id)[0])
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -269,7 +274,7 @@ def test_a_client_hanging_up_cancels_its_request_and_frees_its_blocks(server):
 
 BAD = [  # (endpoint, body, the param the error names)
     ("c", "not json", None), ("c", "[1, 2]", None), ("c", {}, "prompt"), ("c", {"prompt": ""}, "prompt"),
-    ("c", {"prompt": 5}, "prompt"), ("c", {"prompt": [1, "a"]}, "prompt"), ("c", {"prompt": ["a", "b"]}, "prompt"),
+    ("c", {"prompt": 5}, "prompt"), ("c", {"prompt": [1, "a"]}, "prompt"), ("c", {"prompt": ["a", ""]}, "prompt"),
     ("c", {"prompt": [99999]}, "prompt"), ("c", {"prompt": "x" * 600}, "prompt"),
     ("c", {"prompt": "x" * 100_000}, "prompt"),  # past server.INLINE_BODY: parsed in the tokenizer thread
     ("c", {"prompt": "hi", "max_tokens": 0}, "max_tokens"), ("c", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
@@ -278,8 +283,9 @@ BAD = [  # (endpoint, body, the param the error names)
     ("c", {"prompt": "hi", "top_p": 0}, "top_p"), ("c", {"prompt": "hi", "top_k": 1.5}, "top_k"),
     ("c", {"prompt": "hi", "seed": -1}, "seed"), ("c", {"prompt": "hi", "stop": 5}, "stop"),
     ("c", {"prompt": "hi", "stop": [""]}, "stop"), ("c", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("c", {"prompt": "hi", "n": 2}, "n"), ("c", {"prompt": "hi", "logprobs": 5}, "logprobs"),
-    ("c", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"), ("c", {"prompt": "hi", "banana": 1}, "banana"),
+    ("c", {"prompt": "hi", "n": 17}, "n"), ("c", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("c", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"), ("c", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
+    ("c", {"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
     ("h", {}, "messages"), ("h", {"messages": []}, "messages"),
     ("h", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("h", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
@@ -288,7 +294,7 @@ BAD = [  # (endpoint, body, the param the error names)
 
 
 def test_bad_requests_get_400_with_an_openai_error_and_the_server_goes_on(server, client):
-    assert len(BAD) == 31
+    assert len(BAD) == 32
     for endpoint, body, param in BAD:
         path = "/v1/completions" if endpoint == "c" else "/v1/chat/completions"
         data = body if isinstance(body, str) else json.dumps(body).replace('"NaN"', "NaN")

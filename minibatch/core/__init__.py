@@ -38,3 +38,6 @@ Plugged in from outside, each importing the core and never the reverse:
                and bench-serve
     tools/     the CLI, bench, floors
 """
+
+VERSION = "0.1.0"  # the package's version (pyproject.toml's), here so that any layer can name it
+

@@ -27,8 +27,11 @@ class ByteTokenizer:
     pad_token_id: int = 258
     vocab_size: int = 260
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Return the byte ids of ``text``, with BOS in front if ``add_bos``."""
+    def encode(self, text: str, add_bos: bool = True, add_special_tokens: bool | None = None) -> list[int]:
+        """Return the byte ids of ``text``, with BOS in front if ``add_bos`` (``add_special_tokens``:
+        transformers' name for it, which the server's /tokenize passes to any tokenizer)."""
+        if add_special_tokens is not None:
+            add_bos = add_special_tokens
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_bos else ids
 

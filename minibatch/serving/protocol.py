@@ -6,11 +6,14 @@ request gets one message that names its parameter, in OpenAI's error shape: `{"e
 "type", "param", "code"}}` (`BadRequest`, from pydantic's first error: its location is the param).
 
 Parameters that change decoding and that the engine honours: `max_tokens` (chat also
-`max_completion_tokens`), `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed`, `stop` (a string or
-a list), `stream`, `stream_options.include_usage`. `n` must be 1. Fields that change nothing here
-(`user`, `metadata`, `service_tier`, ...) are accepted and ignored; fields the engine cannot honour
-(`logprobs`, `tools`, `presence_penalty`, `echo`, ...) are accepted only at their "off" value, and any
-other field is a bad request, so a client never silently gets something it did not ask for.
+`max_completion_tokens`), `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed` (choice k of a request
+samples with seed + k), `stop` (a string or a list), `stop_token_ids`, `ignore_eos`, `n` (choices per
+prompt), a completions `prompt` as a list of prompts, `stream`, `stream_options.include_usage`. Fields
+the engine cannot honour (`logprobs`, `tools`, `presence_penalty`, `echo`, ...) are accepted only at
+their "off" value, so that a client never silently gets something else than it asked for. Fields that
+change nothing here (`user`, `metadata`, ...) and fields this server does not know are accepted and
+ignored, the unknown ones with one warning in the log per name, as vLLM does: tools send extras of
+their own (guidellm's, a client library's).
 
 Chat prompts: the tokenizer's own chat template where it has one; otherwise (the tiny model's byte
 tokenizer) a plain template, one line per message and an open assistant turn:
@@ -18,7 +21,7 @@ tokenizer) a plain template, one line per message and an open assistant turn:
     System: {content}
     User: {content}
     Assistant: {content}
-    Assistant:
+    Assistant: (and a space)
 
 with "\\nUser:" added to the stop strings, so the model's reply ends where it would start the user's
 next turn. Notebook 08 explains the server.
@@ -26,6 +29,7 @@ next turn. Notebook 08 explains the server.
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -48,6 +52,8 @@ PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assis
 PLAIN_STOP = "\nUser:"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's word for aborted
 SEED_LIMIT = 2**63  # seeds are int64 on the device
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 256  # prompts per completions request
 
 
 class BadRequest(Exception):
@@ -75,7 +81,7 @@ class StreamOptions(BaseModel):
 class _Body(BaseModel):
     """What both endpoints take. Strict: a number sent as a string, or true as a number, is refused."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: ignored, with a warning (parse)
 
     model: str = ""
     max_tokens: int | None = Field(None, ge=1)
@@ -86,7 +92,9 @@ class _Body(BaseModel):
     stop: Any = Field(None, validate_default=True)  # -> a list of strings
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
+    ignore_eos: bool = False  # go on past the end-of-sequence token (benchmarks: every reply max_tokens long)
+    stop_token_ids: list[int] | None = None  # more tokens that end a reply, as EOS does (kept in it)
     # accepted and ignored (IGNORED)
     user: Any = None
     metadata: Any = None
@@ -118,13 +126,6 @@ class _Body(BaseModel):
                           f"{allowed[0]!r}), got {v!r}")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        if v is not None and v != 1:
-            raise ValueError(f"'n' must be 1 (one choice per request), got {v}")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v) -> list[str]:
@@ -141,8 +142,13 @@ class _Body(BaseModel):
 
     def sampling(self, max_new_tokens: int, eos_token_id, seed: int, extra_stop=()) -> SamplingParams:
         """The engine's SamplingParams for this request (its ValueError names the engine's field)."""
+        if self.ignore_eos:
+            eos_token_id = None
+        if self.stop_token_ids:
+            given = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+            eos_token_id = frozenset([*given, *self.stop_token_ids])
         return SamplingParams(temperature=self.temperature, top_k=0 if self.top_k in (None, -1) else self.top_k,
-                              top_p=self.top_p, seed=seed, max_new_tokens=max_new_tokens,
+                              top_p=self.top_p, seed=seed % SEED_LIMIT, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop))
 
 
@@ -151,24 +157,31 @@ def _is_int(v) -> bool:
 
 
 class CompletionRequest(_Body):
-    """A `/v1/completions` body: `prompt` is text or token ids (a batch of one of either is unwrapped)."""
+    """A `/v1/completions` body: `prompt` is text, token ids, or a list of either (one choice per
+    prompt and `n`, in order: `prompts`)."""
 
     chat: ClassVar[bool] = False
     prompt: Any
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one prompt
-        elif isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            raise ValueError(f"'prompt' holds one prompt per request (got a batch of {len(v)})")
-        if isinstance(v, list):
-            if not v or not all(_is_int(t) for t in v):
-                raise ValueError("'prompt' must be a non-empty string or a non-empty list of token ids")
-        elif not isinstance(v, str) or not v:
-            raise ValueError(f"'prompt' must be a non-empty string or a non-empty list of token ids, got {v!r}")
-        return v
+    def _prompt(cls, v) -> list:
+        batch = v if isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(batch)}")
+        for x in batch:
+            if isinstance(x, list):
+                if not x or not all(_is_int(t) for t in x):
+                    raise ValueError("'prompt' must be a non-empty string or a non-empty list of token ids "
+                                     "(or a list of those)")
+            elif not isinstance(x, str) or not x:
+                raise ValueError(f"'prompt' must be a non-empty string or a non-empty list of token ids (or a "
+                                 f"list of those), got {x!r}")
+        return batch
+
+    @property
+    def prompts(self) -> list:
+        return self.prompt
 
     @property
     def max_new_tokens(self) -> int:
@@ -214,8 +227,8 @@ class ChatRequest(_Body):
         return self
 
     @property
-    def prompt(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def prompts(self) -> list[list[dict]]:
+        return [[{"role": m.role, "content": m.content} for m in self.messages]]
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -227,7 +240,55 @@ def parse(body, chat: bool) -> CompletionRequest | ChatRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     try:
-        return (ChatRequest if chat else CompletionRequest).model_validate(body)
+        p = (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        raise _bad(e.errors(include_url=False)[0]) from None
+    for name in sorted(p.model_extra or ()):
+        _warn_once(name)
+    return p
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(name: str) -> None:
+    """Log an unknown request field the first time a client sends it (as vLLM does); it changes nothing."""
+    if name not in _WARNED:
+        _WARNED.add(name)
+        print(f"minibatch: warning: ignoring the request field {name!r}, which this server does not know "
+              "(said once per field)", file=sys.stderr, flush=True)
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's shape): text, or chat messages as the chat endpoint renders them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str = ""
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("'prompt' holds the text to tokenize (or 'messages' a chat): send one of the two")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str = ""
+    tokens: list[int]
+
+
+def parse_as(cls, body):
+    """A decoded JSON body -> a `cls` (a pydantic model), or BadRequest naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
     except ValidationError as e:
         raise _bad(e.errors(include_url=False)[0]) from None
 
@@ -255,7 +316,9 @@ def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], list[str]]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False)), []
     lines = [f"{PLAIN_ROLES[m['role']]}: {m['content']}\n" for m in messages]
-    return list(tokenizer.encode("".join(lines) + "Assistant:")), [PLAIN_STOP]
+    # "Assistant: " with its space: the tiny model, trained on prose only, ends a line that stops at a
+    # colon (EOS at once, an empty reply) but goes on after a space, so greedy chat answers in words
+    return list(tokenizer.encode("".join(lines) + "Assistant: ")), [PLAIN_STOP]
 
 
 def new_id(chat: bool) -> str:
@@ -267,28 +330,42 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(rid: str, model: str, chat: bool, text: str, finish: str | None, use: dict) -> dict:
-    """The whole answer of a request that did not stream."""
+def response(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None]], use: dict) -> dict:
+    """The whole answer of a request that did not stream: `choices` is (text, finish reason) per choice."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        listed = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
+                   "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        listed = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                  for i, (text, finish) in enumerate(choices)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use}
+            "model": model, "choices": listed, "usage": use}
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False,
-          use: dict | None = None) -> dict:
-    """One streamed chunk: some text, a finish reason, the chat role, or (no choices) the usage."""
-    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+def _chunk_head(rid: str, model: str, chat: bool) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
-    if use is not None:
-        body["choices"], body["usage"] = [], use
-        return body
+
+
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, index: int = 0) -> dict:
+    """One streamed chunk of choice `index`: some text, a finish reason, or both."""
+    body = _chunk_head(rid, model, chat)
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        delta = {"content": text} if text else {}
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
     else:
-        body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}]
     return body
+
+
+def role_chunk(rid: str, model: str, index: int = 0) -> dict:
+    """A chat stream's first chunk of choice `index`: the assistant's role."""
+    body = _chunk_head(rid, model, True)
+    body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]
+    return body
+
+
+def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
+    """A stream's last chunk before [DONE] where the client asked for usage: no choices."""
+    return {**_chunk_head(rid, model, chat), "choices": [], "usage": use}

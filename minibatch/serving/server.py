@@ -25,233 +25,26 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
-import json
 import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic_core import from_json
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from ..core import VERSION as __version__
 from ..core.engine import Engine
 from ..core.timeline import Timeline
 from .diagnostics import gc_pauses
-from .loop import TIMELINE_LIMIT, QueueFull, Serving
-from . import guard, protocol
+from .loop import TIMELINE_LIMIT, Serving
+from . import guard, handlers
 from .guard import EXIT_ENGINE_DEAD, ServeOptions
-from .protocol import BadRequest, ChatRequest, CompletionRequest
-
-# engine argument names -> the OpenAI parameter a client sent
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature": "temperature", "top_p": "top_p",
-                "top_k": "top_k", "seed": "seed", "stop": "stop"}
-
-
-class EngineDead(RuntimeError):
-    """The engine behind the server failed or stopped answering: no request can be served any more."""
-
-
-class ServerState:
-    """What the endpoints share: the model, its engine, the streams still open, and how it stands."""
-
-    def __init__(self, model, name: str, eos, serving: dict, options: ServeOptions):
-        self.model, self.name, self.eos, self.serving, self.options = model, name, eos, serving, options
-        self.served = None  # the Serving the endpoints submit to, while the engine serves
-        self.timeline = None  # its Timeline, saved as the server stops
-        self.open: set = set()  # streams not yet finished or given up
-        self.cancelled = 0  # requests cancelled because their client hung up
-        self.created = int(time.time())
-        self.dead: str | None = None  # why the engine can serve no more
-        self.draining = False  # SIGTERM: no new requests, the running ones finish
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="minibatch-tokenizer")  # (INLINE_BODY)
-
-    def refuse_new(self) -> None:
-        """503 for a new request while the server stops or after its engine died."""
-        if self.dead is not None:
-            raise BadRequest(f"the engine is not running: {self.dead}", None, "engine_dead", 503, "server_error")
-        if self.draining or self.served is None:
-            raise BadRequest("the server is shutting down", None, "shutting_down", 503, "server_error")
-
-    def die(self, reason: str) -> None:
-        """The engine is dead: every open stream ends with an error, and no request is taken from now on."""
-        self.dead = reason
-        now, error = time.perf_counter(), EngineDead(reason)
-        for s in list(self.open):
-            if not s.done:
-                s.fail(error, now)
-
-    def cancel_all(self) -> None:
-        for s in list(self.open):
-            s.cancel()
-
-    def close(self, s) -> None:
-        """A request's answer is over (sent, or its client gone): cancel it if the engine is still on it."""
-        if s in self.open:
-            self.open.discard(s)
-            if not s.done:
-                s.cancel()
-                self.cancelled += 1
-
-    def tokens(self, p: CompletionRequest | ChatRequest) -> tuple[list[int], list[str]]:
-        """The prompt's token ids, and stop strings a chat template adds."""
-        tok, vocab = self.model.tokenizer, self.model.vocab_size
-        if isinstance(p.prompt, list) and not p.chat:
-            bad = [t for t in p.prompt if not 0 <= t < vocab]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} of 'prompt' is outside the vocabulary [0, {vocab})", "prompt")
-            return list(p.prompt), []
-        if tok is None:
-            raise BadRequest(f"model {self.name!r} has no tokenizer: send 'prompt' as a list of token ids",
-                             "messages" if p.chat else "prompt")
-        if p.chat:
-            return protocol.chat_prompt(tok, p.prompt)
-        return list(tok.encode(p.prompt)), []
-
-    def submit(self, p: CompletionRequest | ChatRequest):
-        """Check the request against the model, then hand it to the engine -> (stream, prompt length)."""
-        ids, extra_stop = self.tokens(p)
-        if (p.stop or extra_stop) and self.model.tokenizer is None:
-            raise BadRequest("'stop' needs a tokenizer, and this model has none", "stop")
-        context = self.model.max_positions or 2**31
-        if len(ids) >= context:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; the model's context is {context}", "prompt",
-                             "context_length_exceeded")
-        max_tokens = context - len(ids) if p.max_new_tokens is None else p.max_new_tokens
-        if len(ids) + max_tokens > context:
-            raise BadRequest(f"'max_tokens' is {max_tokens}, but the prompt's {len(ids)} tokens leave room for "
-                             f"{context - len(ids)} in the model's context of {context}", "max_tokens",
-                             "context_length_exceeded")
-        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
-        self.refuse_new()
-        try:
-            s = self.served.submit(ids, p.sampling(max_tokens, self.eos, seed, extra_stop))
-        except ValueError as e:  # the engine names its argument: translate it to the client's name
-            param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
-            raise BadRequest(str(e), param) from None
-        except QueueFull as e:
-            raise BadRequest(f"the server is at capacity: {e}", None, "queue_full", 503, "server_overloaded",
-                             {"Retry-After": "1"}) from None
-        self.open.add(s)
-        return s, len(ids)
-
-
-def _frame(body: dict) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _watch_disconnect(state: ServerState, request, s) -> None:
-    """Cancel the request when its client hangs up, even before its first token is sent."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            state.close(s)
-            return
-
-
-def _engine_error(state: ServerState, s) -> BadRequest:
-    """What a request whose engine failed under it is told (its stream raised)."""
-    reason = state.dead or f"{type(s.error).__name__}: {s.error}"
-    return BadRequest(f"the engine failed while serving this request: {reason}", None, "engine_dead", 500,
-                      "server_error")
-
-
-async def _sse(state: ServerState, request, s, prompt_tokens: int, p: CompletionRequest | ChatRequest):
-    rid, name = protocol.new_id(p.chat), state.name
-    watcher = asyncio.ensure_future(_watch_disconnect(state, request, s))
-    n = 0
-    try:
-        if p.chat:
-            yield _frame(protocol.chunk(rid, name, True, None, role=True))
-        try:
-            async for c in s:
-                n += len(c.token_ids)
-                finish = protocol.FINISH.get(c.finish_reason) if c.finish_reason else None
-                if c.token_ids or c.text or finish:
-                    yield _frame(protocol.chunk(rid, name, p.chat, c.text, finish))
-        except RuntimeError:
-            if s.error is None:
-                raise
-            yield _frame(_engine_error(state, s).body())  # an error event, as OpenAI's API sends one
-        else:
-            if p.include_usage:
-                yield _frame(protocol.chunk(rid, name, p.chat, None, use=protocol.usage(prompt_tokens, n)))
-        yield "data: [DONE]\n\n"
-    finally:  # also on a client that hung up (GeneratorExit / CancelledError at a yield)
-        watcher.cancel()
-        state.close(s)
-
-
-def _error(e: BadRequest):
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _parse(raw: bytes, chat: bool):
-    """The body -> its request model (pydantic's own JSON parser: lone surrogates, nesting deeper than
-    200 and bytes that are not UTF-8 are refused as invalid JSON, never a 500)."""
-    try:
-        body = from_json(raw)
-    except ValueError as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    return protocol.parse(body, chat)
-
-
-# bodies up to this size are parsed and tokenized on the event loop (about a millisecond); larger ones
-# in the server's one tokenizer thread, so that a long prompt stalls no other stream. Not every body
-# in a thread of its own: a burst of requests would then be dozens of threads taking turns on the
-# interpreter's lock with the engine's loop, each turn up to the switch interval (5 ms)
-INLINE_BODY = 64 * 1024
-
-
-def _parse_and_submit(state: ServerState, raw: bytes, chat: bool):
-    p = _parse(raw, chat)
-    if p.model not in ("", state.name):
-        raise BadRequest(f"the model {p.model!r} does not exist (this server has {state.name!r})",
-                         "model", "model_not_found", 404)
-    return (p, *state.submit(p))
-
-
-async def _handle(state: ServerState, request, chat: bool):
-    """One completion or chat request: checked, tokenized and submitted (a large body off the event
-    loop, INLINE_BODY), then answered whole or streamed."""
-    opts = state.options
-    try:
-        state.refuse_new()
-        guard.check_json(request.headers.get("content-type"))
-        raw = await guard.read_body(request, opts.max_body, opts.body_timeout)
-        if len(raw) <= INLINE_BODY:
-            p, s, prompt_tokens = _parse_and_submit(state, raw, chat)
-        else:
-            p, s, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
-                state.tokenizer_thread, _parse_and_submit, state, raw, chat)
-    except BadRequest as e:
-        return _error(e)
-    except guard.ClientGone:
-        print("minibatch: a client closed its connection before its request body arrived", file=sys.stderr,
-              flush=True)
-        return Response(status_code=400)  # (nobody reads it)
-    if p.stream:
-        return StreamingResponse(_sse(state, request, s, prompt_tokens, p), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.ensure_future(_watch_disconnect(state, request, s))  # a hang-up cancels it here too
-    try:
-        async for _ in s:
-            pass
-    except RuntimeError:
-        if s.error is None:
-            raise
-        return _error(_engine_error(state, s))
-    finally:
-        watcher.cancel()
-        state.close(s)
-    use = protocol.usage(prompt_tokens, len(s.token_ids))
-    finish = protocol.FINISH.get(s.finish_reason, s.finish_reason)
-    return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, s.text or "", finish, use))
-
+from .handlers import ServerState, error_response
+from .protocol import BadRequest
 
 # the sampling variants a decode step takes a path of its own for (greedy, sampled, sampled with top-k/top-p:
 # sampling.py); compiled, the first two compile a token choice each and the third samples eagerly (compiled.py)
@@ -358,45 +151,75 @@ def _save_timeline(timeline, path: str) -> None:
 
 def create_app(state: ServerState):
     """The FastAPI app: the engine opens in its lifespan and closes (ending open streams) after it.
-    Guarded as guard.py says: the api key on /v1, the Host header on a loopback address, /docs only
-    when asked for."""
+    Guarded as guard.py says: the api key on /v1 and the tokenizer's routes, the Host header on a
+    loopback address, /docs only when asked for. /health, /metrics and /version stay open."""
     opts = state.options
-    docs = opts.docs
-    app = FastAPI(title="minibatch", lifespan=_lifespan(state), docs_url="/docs" if docs else None,
-                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
+    app = FastAPI(title="minibatch", version=__version__, lifespan=_lifespan(state),
+                  docs_url="/docs" if opts.docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if opts.docs else None)
     if guard.is_loopback(opts.host) and ":" not in opts.host:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(guard.LOOPBACK_NAMES))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # 404, 405, ... in OpenAI's shape too
-        return _error(BadRequest(str(exc.detail), None, None, exc.status_code, "invalid_request_error"))
+        return error_response(BadRequest(str(exc.detail), None, None, exc.status_code, "invalid_request_error"))
 
     @app.exception_handler(BadRequest)
     async def refused(request, exc):  # what the dependencies raise
-        return _error(exc)
+        return error_response(exc)
 
     async def api_key(request: Request) -> None:
         if opts.key:
             guard.check_key(opts.key, request.headers.get("authorization"))
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
+    app.include_router(_v1(state, Depends(api_key)))
+    app.include_router(_open_routes(state))
+    return app
 
-    @v1.post("/completions")
+
+def _v1(state: ServerState, key) -> APIRouter:
+    """The OpenAI routes, and the tokenizer's: each behind the api key."""
+    v1 = APIRouter(dependencies=[key])
+
+    @v1.post("/v1/completions")
     async def completions(request: Request):
-        return await _handle(state, request, chat=False)
+        return await handlers.handle(state, request, chat=False)
 
-    @v1.post("/chat/completions")
+    @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _handle(state, request, chat=True)
+        return await handlers.handle(state, request, chat=True)
 
-    @v1.get("/models")
+    def card() -> dict:
+        return {"id": state.name, "object": "model", "created": state.created, "owned_by": "minibatch",
+                "max_model_len": state.model.max_positions}
+
+    @v1.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
-                                            "owned_by": "minibatch", "max_model_len": state.model.max_positions}]}
+        return {"object": "list", "data": [card()]}
 
-    app.include_router(v1)
+    @v1.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.name:
+            raise BadRequest(f"the model {model_id!r} does not exist (this server has {state.name!r})", "model",
+                             "model_not_found", 404)
+        return card()
 
-    @app.get("/health")
+    @v1.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handlers.tokens(state, request, back=False)
+
+    @v1.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handlers.tokens(state, request, back=True)
+
+    return v1
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    """What a supervisor or a Prometheus server asks, without a key: /health, /metrics, /version."""
+    routes = APIRouter()
+
+    @routes.get("/health")
     async def health():
         if state.dead is not None:
             return JSONResponse({"status": "dead", "reason": state.dead}, status_code=503)
@@ -404,7 +227,16 @@ def create_app(state: ServerState):
             return JSONResponse({"status": "stopping"}, status_code=503)
         return {"status": "ok", **state.served.stats(), "cancelled": state.cancelled, "gc_frozen": gc.get_freeze_count()}
 
-    return app
+    @routes.get("/metrics")
+    async def metrics():
+        body, kind = state.metrics.scrape()
+        return Response(body, media_type=kind)
+
+    @routes.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    return routes
 
 
 def model_eos(model):

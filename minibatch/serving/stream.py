@@ -186,6 +186,12 @@ class TokenStream:
         self._raise_error()
         return self
 
+    async def wait_async(self) -> "TokenStream":
+        """`wait` from asyncio: until the request has finished, without blocking the event loop."""
+        async for _ in self:
+            pass
+        return self
+
     def _raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"request {self.rid}: the engine failed") from self.error

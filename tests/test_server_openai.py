@@ -1,0 +1,123 @@
+"""What the tools people point at a server send, through a real server process and the real `openai`
+client: prompt lists and `n` (LangChain's and lm-eval's batches), extras (guidellm's `ignore_eos`,
+`stop_token_ids`), unknown fields, and the routes beside the OpenAI ones (/tokenize, /detokenize,
+/v1/models/{id}, /version, /metrics).
+"""
+
+import re
+
+import httpx
+import openai
+import pytest
+
+import minibatch
+from test_serving import Server
+
+PROMPTS = ["The for statement", "A class definition", "Exceptions are raised"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-batch-size", "8")
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return minibatch.load_model("tiny", device="cpu")
+
+
+def _alone(tiny, prompt: str, **options) -> str:
+    tok = tiny.tokenizer
+    return tok.decode(minibatch.generate(tiny, [tok.encode(prompt)], eos_token_id=tok.eos_token_id, **options)[0])
+
+
+def test_a_list_of_prompts_and_n_give_one_choice_each_seeded_by_its_index(client, tiny):
+    r = client.completions.create(model="tiny", prompt=PROMPTS, n=2, max_tokens=8, temperature=0.8, seed=11)
+    assert [c.index for c in r.choices] == list(range(6))
+    for k, c in enumerate(r.choices):  # choice k = prompt k // n, seeded seed + k
+        assert c.text == _alone(tiny, PROMPTS[k // 2], max_new_tokens=8, temperature=0.8, seed=11 + k), k
+    prompt_tokens = sum(len(tiny.tokenizer.encode(p)) for p in PROMPTS)  # each prompt counted once
+    assert r.usage.prompt_tokens == prompt_tokens
+    tok = tiny.tokenizer
+    new = [minibatch.generate(tiny, [tok.encode(PROMPTS[k // 2])], eos_token_id=tok.eos_token_id, max_new_tokens=8,
+                              temperature=0.8, seed=11 + k)[0] for k in range(6)]
+    assert r.usage.completion_tokens == sum(len(ids) for ids in new)  # (an EOS counts: it was generated)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS, n=2, max_tokens=8, temperature=0.8,
+                                           seed=11, stream=True):
+        assert not chunk.usage  # usage only when stream_options asks for it
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in r.choices}
+
+
+def test_token_id_prompts_in_a_list(client, tiny):
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS[:2]]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in r.choices] == [_alone(tiny, p, max_new_tokens=6) for p in PROMPTS[:2]]
+
+
+def test_ignore_eos_and_stop_token_ids(client, tiny, server):
+    quick = "User: Hello!\nAssistant:"  # greedy, the tiny model ends this at once
+    r = client.completions.create(model="tiny", prompt=quick, max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 20
+    r = client.completions.create(model="tiny", prompt=quick, max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    text = _alone(tiny, PROMPTS[0], max_new_tokens=12)
+    second = tiny.tokenizer.encode(text, add_bos=False)[1]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  extra_body={"stop_token_ids": [second]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
+
+
+def test_unknown_fields_are_ignored_with_one_warning(client, server):
+    for _ in range(2):
+        r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"banana_split": 1})
+        assert r.usage.completion_tokens >= 1
+    assert server.output().count("ignoring the request field 'banana_split'") == 1, server.output()
+
+
+def test_tokenize_detokenize_models_and_version(client, server, tiny):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "The for statement"}, timeout=10).json()
+    assert r["tokens"] == tiny.tokenizer.encode("The for statement") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == tiny.max_positions
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": "x", "add_special_tokens": False}, timeout=10).json()
+    assert bare["tokens"] == [ord("x")]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert back == {"prompt": "The for statement"}
+    messages = [{"role": "user", "content": "What is a class?"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=10).json()
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert chat["count"] == answer.usage.prompt_tokens
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}, timeout=10).status_code == 400
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    assert httpx.get(server.url + "/version", timeout=10).json()["version"] == minibatch.__version__
+
+
+def test_metrics_count_requests_tokens_and_latencies(client, server):
+    before = _metrics(server)
+    client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    done = 'minibatch_requests_total{endpoint="completions",finish_reason="length"}'
+    assert after[done] - before.get(done, 0) == 3
+    assert after["minibatch_generation_tokens_total"] - before["minibatch_generation_tokens_total"] == 15
+    assert after["minibatch_time_to_first_token_seconds_count"] - before["minibatch_time_to_first_token_seconds_count"] == 3
+    assert after["minibatch_inter_token_latency_seconds_count"] - before["minibatch_inter_token_latency_seconds_count"] == 12
+    assert after["minibatch_kv_blocks"] > 0 and after["minibatch_kv_blocks_used"] == 0 and after["minibatch_running"] == 0
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(minibatch_\S+) (\S+)$", text, re.M)}
