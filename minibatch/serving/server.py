@@ -181,13 +181,15 @@ def _v1(state: ServerState, key) -> APIRouter:
     """The OpenAI routes, and the tokenizer's: each behind the api key."""
     v1 = APIRouter(dependencies=[key])
 
-    @v1.post("/v1/completions")
-    async def completions(request: Request):
-        return await handlers.handle(state, request, chat=False)
+    def post(path: str, answer, **how) -> None:
+        async def endpoint(request: Request):
+            return await answer(state, request, **how)
+        v1.add_api_route(path, endpoint, methods=["POST"], name=path.strip("/").replace("/", "_"))
 
-    @v1.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handlers.handle(state, request, chat=True)
+    post("/v1/completions", handlers.handle, chat=False)
+    post("/v1/chat/completions", handlers.handle, chat=True)
+    post("/tokenize", handlers.tokens, back=False)
+    post("/detokenize", handlers.tokens, back=True)
 
     def card() -> dict:
         return {"id": state.name, "object": "model", "created": state.created, "owned_by": "minibatch",
@@ -203,14 +205,6 @@ def _v1(state: ServerState, key) -> APIRouter:
             raise BadRequest(f"the model {model_id!r} does not exist (this server has {state.name!r})", "model",
                              "model_not_found", 404)
         return card()
-
-    @v1.post("/tokenize")
-    async def tokenize(request: Request):
-        return await handlers.tokens(state, request, back=False)
-
-    @v1.post("/detokenize")
-    async def detokenize(request: Request):
-        return await handlers.tokens(state, request, back=True)
 
     return v1
 
