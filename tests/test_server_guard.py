@@ -140,8 +140,8 @@ def test_hang_ups_cancel_their_request_and_log_one_line(guarded):
     while (h := guarded.health())["running"] + h["waiting"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert h["kv_blocks_free"] == h["kv_blocks"], h
-    out = guarded.output()
-    assert "Traceback" not in out and "Exception" not in out, out
+    out = guarded.output(tail=None)
+    assert "Traceback" not in out and "Exception" not in out, out[-3000:]
     assert out.count("closed its connection before its request body arrived") == 5, out
 
 
@@ -156,7 +156,7 @@ def test_sigterm_lets_running_requests_finish_then_exits_0():
             time.sleep(0.3)
             try:  # no new request is taken meanwhile: the port is closed (or, on an open connection, 503)
                 late = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=5).status_code
-            except httpx.TransportError:
+            except httpx.ConnectError:  # (not a timeout: a connection accepted and never answered is no refusal)
                 late = "refused"
             rest = [line for line in lines if line.startswith("data: ")]
         assert late in ("refused", 503), late
@@ -190,7 +190,8 @@ def _until_dead(server, within: float) -> dict:
             if r.status_code == 503:
                 return r.json()
         except httpx.TransportError:
-            pass
+            if server.proc.poll() is not None:  # it said so and exited in between: dead too
+                return {"status": "dead", "reason": "(exited before the poll: " + server.output()[-300:] + ")"}
         time.sleep(0.05)
     raise AssertionError(f"/health did not turn 503 within {within} s:\n{server.output()}")
 
@@ -214,7 +215,7 @@ def test_a_dead_or_stopped_device_ends_streams_with_an_error_and_the_server_exit
         assert lines[-1] == "data: [DONE]", lines[-3:]
         error = json.loads(lines[-2][6:])["error"]
         assert error["code"] == "engine_dead" and error["type"] == "server_error", error
-        health = _until_dead(s, 10) if s.proc.poll() is None else {"status": "dead", "reason": "(exited)"}
+        health = _until_dead(s, 10)
         assert health["status"] == "dead" and health["reason"], health
         assert s.proc.wait(15) == 3, s.output()
         out = s.output()

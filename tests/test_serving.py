@@ -61,9 +61,11 @@ class Server:
         self.stop()
         raise AssertionError(f"the server was not ready within 60 s:\n{self.output()}")
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 3000) -> str:
+        """What the server printed: its last `tail` characters (None: all of it)."""
         self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-3000:]
+        text = self.log.read().decode(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()

@@ -91,6 +91,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     sock.set_inheritable(False)
+    # a fork (the cpu device's process, opened later) would hold the socket open too: it would go on
+    # accepting connections that nobody answers after the server stops listening on SIGTERM
+    os.register_at_fork(after_in_child=sock.close)
     return sock
 
 

@@ -64,16 +64,18 @@ class ServerState:
         for s in list(self.open):
             s.cancel()
 
-    def close(self, s) -> None:
-        """A choice's answer is over (sent, or its client gone): cancel it if the engine is still on it,
-        and count it in the metrics."""
+    def close(self, s, hung_up: bool = True) -> None:
+        """A choice's answer is over (sent, or its client gone): cancel it if the engine is still on it
+        (`hung_up`: because its client left, counted in /health's "cancelled"), and count it in the
+        metrics ("cancelled" where it had not finished)."""
         endpoint = self.open.pop(s, None)
         if endpoint is None:
             return
-        if not s.done:
+        done = s.done
+        if not done:
             s.cancel()
-            self.cancelled += 1
-        self.metrics.observe(s, endpoint)
+            self.cancelled += hung_up
+        self.metrics.observe(s, endpoint, None if done else "cancelled")
 
     def tokens(self, prompt, chat: bool) -> tuple[list[int], list[str]]:
         """One prompt's token ids (text, token ids or chat messages), and stop strings a chat template adds."""
@@ -123,21 +125,25 @@ class ServerState:
                 params = p.sampling(max_tokens, self.eos, seed + len(work), extra_stop)
                 work.append((ids, params))
         self.refuse_new()
-        streams = []
+        streams, served = [], self.served
         try:
             for ids, params in work:
-                streams.append(self.served.submit(ids, params))
+                if served is None:
+                    raise RuntimeError("the server is shutting down")
+                streams.append(served.submit(ids, params))
         except ValueError as e:  # the engine names its argument: translate it to the client's name
             param = next((v for k, v in _PARAM_NAMES.items() if k in str(e)), None)
             raise BadRequest(str(e), param) from None
         except QueueFull as e:
             raise BadRequest(f"the server is at capacity: {e}", None, "queue_full", 503, "server_overloaded",
                              {"Retry-After": "1"}) from None
-        finally:  # (a refusal part-way: the choices already submitted are cancelled)
+        except RuntimeError as e:  # the loop failed or stopped before the watchdog said so
+            raise BadRequest(f"the engine is not running: {e}", None, "engine_dead", 503, "server_error") from None
+        finally:  # (a refusal part-way: the choices already submitted are cancelled, not counted as hang-ups)
             self.open.update(dict.fromkeys(streams, "chat" if p.chat else "completions"))
             if len(streams) < len(work):
                 for s in streams:
-                    self.close(s)
+                    self.close(s, hung_up=False)
         return streams, sum(len(ids) for ids, _ in prompts)
 
 
@@ -241,7 +247,19 @@ async def tokens(state: ServerState, request, back: bool) -> JSONResponse:
     `POST /detokenize` (ids -> text), in vLLM's shapes."""
     try:
         guard.check_json(request.headers.get("content-type"))
-        body = _json(await guard.read_body(request, state.options.max_body, state.options.body_timeout))
+        raw = await guard.read_body(request, state.options.max_body, state.options.body_timeout)
+        if len(raw) > INLINE_BODY:
+            return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, _tokens, state, raw, back)
+        return _tokens(state, raw, back)
+    except BadRequest as e:
+        return error_response(e)
+    except guard.ClientGone:
+        return Response(status_code=400)
+
+
+def _tokens(state: ServerState, raw: bytes, back: bool) -> JSONResponse:
+    try:
+        body = _json(raw)
         tok = state.model.tokenizer
         if tok is None:
             raise BadRequest(f"model {state.name!r} has no tokenizer")
@@ -259,8 +277,6 @@ async def tokens(state: ServerState, request, back: bool) -> JSONResponse:
         return JSONResponse({"count": len(ids), "max_model_len": state.model.max_positions, "tokens": ids})
     except BadRequest as e:
         return error_response(e)
-    except guard.ClientGone:
-        return Response(status_code=400)
 
 
 # bodies up to this size are parsed and tokenized on the event loop (about a millisecond); larger ones

@@ -38,9 +38,9 @@ class Metrics:
             gauge = Gauge(f"minibatch_{name}", doc, registry=r)
             gauge.set_function(lambda key=key: _read(stats(), key))
 
-    def observe(self, stream, endpoint: str) -> None:
-        """One choice's answer has ended (finished, cancelled, or its engine failed)."""
-        reason = stream.finish_reason or "unfinished"
+    def observe(self, stream, endpoint: str, reason: str | None = None) -> None:
+        """One choice's answer has ended: finished (its finish reason), or `reason` (cancelled)."""
+        reason = reason or stream.finish_reason or "cancelled"
         self.requests.labels(endpoint, reason).inc()
         self.prompt_tokens.inc(stream.prompt_tokens)
         self.generation_tokens.inc(len(stream.token_ids))

@@ -251,12 +251,20 @@ def parse(body, chat: bool) -> CompletionRequest | ChatRequest:
 _WARNED: set[str] = set()
 
 
+WARN_AT_MOST = 100  # names warned about; a client sending thousands of made-up fields floods no log
+
+
 def _warn_once(name: str) -> None:
     """Log an unknown request field the first time a client sends it (as vLLM does); it changes nothing."""
-    if name not in _WARNED:
-        _WARNED.add(name)
-        print(f"minibatch: warning: ignoring the request field {name!r}, which this server does not know "
-              "(said once per field)", file=sys.stderr, flush=True)
+    if name in _WARNED or len(_WARNED) > WARN_AT_MOST:
+        return
+    _WARNED.add(name)
+    if len(_WARNED) > WARN_AT_MOST:
+        print(f"minibatch: warning: more than {WARN_AT_MOST} unknown request fields; no more are named",
+              file=sys.stderr, flush=True)
+        return
+    print(f"minibatch: warning: ignoring the request field {name!r}, which this server does not know "
+          "(said once per field)", file=sys.stderr, flush=True)
 
 
 class TokenizeRequest(BaseModel):
@@ -313,7 +321,10 @@ def _bad(error: dict) -> BadRequest:
 def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], list[str]]:
     """Token ids of a chat prompt, and the stop strings its template adds."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 — a template refuses what it cannot render (jinja2's raise_exception)
+            raise BadRequest(f"the model's chat template refused these messages: {e}", "messages") from None
         return list(tokenizer.encode(text, add_special_tokens=False)), []
     lines = [f"{PLAIN_ROLES[m['role']]}: {m['content']}\n" for m in messages]
     # "Assistant: " with its space: the tiny model, trained on prose only, ends a line that stops at a

@@ -287,7 +287,10 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
     # status 0 (the default handlers would end the process with the signal instead)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run(sockets=None if sock is None else [sock])
+    try:
+        server.run(sockets=None if sock is None else [sock])
+    except SystemExit:  # uvicorn's own exit when its start-up (the engine's, in the lifespan) failed
+        return 1
     return 0 if server.started else 1
 
 
