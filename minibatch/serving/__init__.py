@@ -5,10 +5,11 @@ talks to it as clients do (notebook 08). A plug-in: it imports the core, the cor
 |---|---|
 | `loop.py` | `Serving(engine)`: one run sized for requests not known in advance, stepped by a `ServingLoop` in a thread of its own; `submit`, `generate`, `stats` from any thread |
 | `stream.py` | `TokenStream`: one request's tokens as they are made, read from any thread or from asyncio |
-| `protocol.py` | the OpenAI wire format: request bodies as pydantic models (errors name the parameter; `sampling()` makes the request's SamplingParams), response bodies, stream chunks, the chat prompt |
+| `protocol.py` | the OpenAI requests: bodies as pydantic models (errors name the parameter; `sampling()` makes the request's SamplingParams), the chat prompt |
 | `guard.py` | what the server checks first: api key, JSON content type, Host header, body size and time; the engine's health; `ServeOptions` |
 | `handlers.py` | one request's way: its body parsed, its prompts tokenized and submitted (a stream per choice: prompt lists, `n`), its answer whole or as server-sent events; `/tokenize`, `/detokenize`; `ServerState` |
 | `metrics.py` | `GET /metrics`: requests, tokens, TTFT / ITL / end-to-end histograms, running, waiting, KV blocks (prometheus_client) |
+| `replies.py` | the OpenAI answers: a whole response, stream chunks (text, role, usage), finish reasons |
 | `server.py` | `python -m minibatch serve`: FastAPI + uvicorn over `Serving.submit`; completions and chat, streamed as server-sent events; `/v1/models`, `/health` |
 | `diagnostics.py` | where a serving run's time went: its timeline's busy periods (`bursts`), what each held (`window`), full garbage collections as spans (`gc_pauses`) |
 | `bench_serve.py` | `python -m minibatch bench-serve`: the official `openai` async client against any OpenAI-compatible URL, Poisson arrivals at each rate |

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic_core import from_json
 
-from . import guard, protocol
+from . import guard, protocol, replies
 from .guard import ServeOptions
 from .loop import QueueFull
 from .metrics import Metrics
@@ -199,25 +199,25 @@ async def _merged(streams):
 
 
 async def _sse(state: ServerState, request, streams, prompt_tokens: int, p: CompletionRequest | ChatRequest):
-    rid, name = protocol.new_id(p.chat), state.name
+    rid, name = replies.new_id(p.chat), state.name
     watcher = asyncio.ensure_future(_watch_disconnect(state, request, streams))
     n, failed = 0, None
     try:
         if p.chat:
             for i in range(len(streams)):
-                yield _frame(protocol.role_chunk(rid, name, i))
+                yield _frame(replies.role_chunk(rid, name, i))
         async for i, c in _merged(streams):
             if c is None:
                 failed = streams[i]
                 continue
             n += len(c.token_ids)
-            finish = protocol.FINISH.get(c.finish_reason) if c.finish_reason else None
+            finish = replies.FINISH.get(c.finish_reason) if c.finish_reason else None
             if c.token_ids or c.text or finish:
-                yield _frame(protocol.chunk(rid, name, p.chat, c.text, finish, index=i))
+                yield _frame(replies.chunk(rid, name, p.chat, c.text, finish, index=i))
         if failed is not None:
             yield _frame(_engine_error(state, failed).body())  # an error event, as OpenAI's API sends one
         elif p.include_usage:
-            yield _frame(protocol.usage_chunk(rid, name, p.chat, protocol.usage(prompt_tokens, n)))
+            yield _frame(replies.usage_chunk(rid, name, p.chat, replies.usage(prompt_tokens, n)))
         yield "data: [DONE]\n\n"
     finally:  # also on a client that hung up (GeneratorExit / CancelledError at a yield)
         watcher.cancel()
@@ -329,6 +329,6 @@ async def handle(state: ServerState, request, chat: bool):
         watcher.cancel()
         for s in streams:
             state.close(s)
-    use = protocol.usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
-    choices = [(s.text or "", protocol.FINISH.get(s.finish_reason, s.finish_reason)) for s in streams]
-    return JSONResponse(protocol.response(protocol.new_id(chat), state.name, chat, choices, use))
+    use = replies.usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
+    choices = [(s.text or "", replies.FINISH.get(s.finish_reason, s.finish_reason)) for s in streams]
+    return JSONResponse(replies.response(replies.new_id(chat), state.name, chat, choices, use))

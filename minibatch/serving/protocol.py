@@ -1,4 +1,5 @@
-"""The OpenAI wire format: request bodies as pydantic models, response bodies and stream chunks built.
+"""The OpenAI wire format's requests: bodies as pydantic models, and the chat prompt (replies.py builds
+the answers).
 
 A request body is validated once, by `parse(body, chat)`, into a `CompletionRequest` or a
 `ChatRequest`; its `sampling(...)` is the engine's SamplingParams, made once per request. Every bad
@@ -30,8 +31,6 @@ next turn. Notebook 08 explains the server.
 from __future__ import annotations
 
 import sys
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,8 +38,6 @@ from pydantic_core import PydanticCustomError
 
 from ..core.requests import SamplingParams
 
-# accepted and ignored: they change nothing about the tokens
-IGNORED = ("user", "metadata", "service_tier", "store", "parallel_tool_calls")
 # accepted only at the value that turns them off: the engine cannot honour anything else
 OFF_VALUES = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -50,7 +47,6 @@ OFF_VALUES = {
 }
 PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_STOP = "\nUser:"
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM's word for aborted
 SEED_LIMIT = 2**63  # seeds are int64 on the device
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts per completions request
@@ -95,7 +91,7 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
     ignore_eos: bool = False  # go on past the end-of-sequence token (benchmarks: every reply max_tokens long)
     stop_token_ids: list[int] | None = None  # more tokens that end a reply, as EOS does (kept in it)
-    # accepted and ignored (IGNORED)
+    # accepted and ignored: they change nothing about the tokens
     user: Any = None
     metadata: Any = None
     service_tier: Any = None
@@ -237,12 +233,7 @@ class ChatRequest(_Body):
 
 def parse(body, chat: bool) -> CompletionRequest | ChatRequest:
     """A decoded JSON body -> the endpoint's request model, or BadRequest naming the first bad parameter."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        p = (ChatRequest if chat else CompletionRequest).model_validate(body)
-    except ValidationError as e:
-        raise _bad(e.errors(include_url=False)[0]) from None
+    p = parse_as(ChatRequest if chat else CompletionRequest, body)
     for name in sorted(p.model_extra or ()):
         _warn_once(name)
     return p
@@ -330,53 +321,3 @@ def chat_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], list[str]]:
     # "Assistant: " with its space: the tiny model, trained on prose only, ends a line that stops at a
     # colon (EOS at once, an empty reply) but goes on after a space, so greedy chat answers in words
     return list(tokenizer.encode("".join(lines) + "Assistant: ")), [PLAIN_STOP]
-
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None]], use: dict) -> dict:
-    """The whole answer of a request that did not stream: `choices` is (text, finish reason) per choice."""
-    if chat:
-        listed = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
-                   "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
-    else:
-        listed = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                  for i, (text, finish) in enumerate(choices)]
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": listed, "usage": use}
-
-
-def _chunk_head(rid: str, model: str, chat: bool) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model}
-
-
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, index: int = 0) -> dict:
-    """One streamed chunk of choice `index`: some text, a finish reason, or both."""
-    body = _chunk_head(rid, model, chat)
-    if chat:
-        delta = {"content": text} if text else {}
-        body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    else:
-        body["choices"] = [{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    return body
-
-
-def role_chunk(rid: str, model: str, index: int = 0) -> dict:
-    """A chat stream's first chunk of choice `index`: the assistant's role."""
-    body = _chunk_head(rid, model, True)
-    body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}]
-    return body
-
-
-def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
-    """A stream's last chunk before [DONE] where the client asked for usage: no choices."""
-    return {**_chunk_head(rid, model, chat), "choices": [], "usage": use}
