@@ -246,37 +246,31 @@ async def tokens(state: ServerState, request, back: bool) -> JSONResponse:
     """`POST /tokenize` (text or chat messages -> ids, as the endpoints would see them) and, `back`,
     `POST /detokenize` (ids -> text), in vLLM's shapes."""
     try:
-        guard.check_json(request.headers.get("content-type"))
-        raw = await guard.read_body(request, state.options.max_body, state.options.body_timeout)
-        if len(raw) > INLINE_BODY:
-            return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, _tokens, state, raw, back)
-        return _tokens(state, raw, back)
+        return await _with_body(state, request, _tokens, back)
     except BadRequest as e:
         return error_response(e)
     except guard.ClientGone:
-        return Response(status_code=400)
+        return _gone()
 
 
 def _tokens(state: ServerState, raw: bytes, back: bool) -> JSONResponse:
-    try:
-        body = _json(raw)
-        tok = state.model.tokenizer
-        if tok is None:
-            raise BadRequest(f"model {state.name!r} has no tokenizer")
-        if back:
-            t = protocol.parse_as(protocol.DetokenizeRequest, body)
-            bad = [i for i in t.tokens if not 0 <= i < state.model.vocab_size]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {state.model.vocab_size})", "tokens")
-            return JSONResponse({"prompt": tok.decode(t.tokens)})
-        t = protocol.parse_as(protocol.TokenizeRequest, body)
-        if t.messages is not None:
-            ids, _ = protocol.chat_prompt(tok, [{"role": m.role, "content": m.content} for m in t.messages])
-        else:
-            ids = list(tok.encode(t.prompt, add_special_tokens=t.add_special_tokens))
-        return JSONResponse({"count": len(ids), "max_model_len": state.model.max_positions, "tokens": ids})
-    except BadRequest as e:
-        return error_response(e)
+    """The answer of /tokenize or (`back`) /detokenize; a BadRequest is the caller's to answer."""
+    body = _json(raw)
+    tok = state.model.tokenizer
+    if tok is None:
+        raise BadRequest(f"model {state.name!r} has no tokenizer")
+    if back:
+        t = protocol.parse_as(protocol.DetokenizeRequest, body)
+        bad = [i for i in t.tokens if not 0 <= i < state.model.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {state.model.vocab_size})", "tokens")
+        return JSONResponse({"prompt": tok.decode(t.tokens)})
+    t = protocol.parse_as(protocol.TokenizeRequest, body)
+    if t.messages is not None:
+        ids, _ = protocol.chat_prompt(tok, protocol.plain(t.messages))
+    else:
+        ids = list(tok.encode(t.prompt, add_special_tokens=t.add_special_tokens))
+    return JSONResponse({"count": len(ids), "max_model_len": state.model.max_positions, "tokens": ids})
 
 
 # bodies up to this size are parsed and tokenized on the event loop (about a millisecond); larger ones
@@ -284,6 +278,21 @@ def _tokens(state: ServerState, raw: bytes, back: bool) -> JSONResponse:
 # in a thread of its own: a burst of requests would then be dozens of threads taking turns on the
 # interpreter's lock with the engine's loop, each turn up to the switch interval (5 ms)
 INLINE_BODY = 64 * 1024
+
+
+async def _with_body(state: ServerState, request, work, *args):
+    """`work(state, body, *args)` on the request's JSON body (checked by guard.py): on the event loop, or
+    in the tokenizer thread for a body over INLINE_BODY."""
+    guard.check_json(request.headers.get("content-type"))
+    raw = await guard.read_body(request, state.options.max_body, state.options.body_timeout)
+    if len(raw) <= INLINE_BODY:
+        return work(state, raw, *args)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, work, state, raw, *args)
+
+
+def _gone() -> Response:
+    print("minibatch: a client closed its connection before its request body arrived", file=sys.stderr, flush=True)
+    return Response(status_code=400)  # (nobody reads it)
 
 
 def _parse_and_submit(state: ServerState, raw: bytes, chat: bool):
@@ -297,22 +306,13 @@ def _parse_and_submit(state: ServerState, raw: bytes, chat: bool):
 async def handle(state: ServerState, request, chat: bool):
     """One completion or chat request: checked, tokenized and submitted (a large body off the event
     loop, INLINE_BODY), then answered whole or streamed."""
-    opts = state.options
     try:
         state.refuse_new()
-        guard.check_json(request.headers.get("content-type"))
-        raw = await guard.read_body(request, opts.max_body, opts.body_timeout)
-        if len(raw) <= INLINE_BODY:
-            p, streams, prompt_tokens = _parse_and_submit(state, raw, chat)
-        else:
-            p, streams, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
-                state.tokenizer_thread, _parse_and_submit, state, raw, chat)
+        p, streams, prompt_tokens = await _with_body(state, request, _parse_and_submit, chat)
     except BadRequest as e:
         return error_response(e)
     except guard.ClientGone:
-        print("minibatch: a client closed its connection before its request body arrived", file=sys.stderr,
-              flush=True)
-        return Response(status_code=400)  # (nobody reads it)
+        return _gone()
     if p.stream:
         return StreamingResponse(_sse(state, request, streams, prompt_tokens, p), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -209,6 +209,11 @@ class Message(BaseModel):
         return v
 
 
+def plain(messages: list[Message]) -> list[dict]:
+    """Messages as the chat templates take them: {"role", "content"} each."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 class ChatRequest(_Body):
     """A `/v1/chat/completions` body: the messages, and `max_completion_tokens` as OpenAI's newer name."""
 
@@ -224,7 +229,7 @@ class ChatRequest(_Body):
 
     @property
     def prompts(self) -> list[list[dict]]:
-        return [[{"role": m.role, "content": m.content} for m in self.messages]]
+        return [plain(self.messages)]
 
     @property
     def max_new_tokens(self) -> int | None:
