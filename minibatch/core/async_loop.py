@@ -57,7 +57,8 @@ def async_step(run) -> list:
         with timeline.span("CPU", "wait", plan_n.step, slot_n.index):
             slot_n.d2h_done.synchronize(run.timeout)  # the loop's one wait on the device
         with timeline.span("CPU", "update", plan_n.step, slot_n.index):
-            done = scheduler.update(plan_n, slot_n.sampled(len(plan_n.sampling_chunks)))
+            rows = len(plan_n.sampling_chunks)
+            done = scheduler.update(plan_n, slot_n.sampled(rows), slot_n.logprobs(rows))
         run.stepped(plan_n, done)
     run.in_flight = launched
     return done

@@ -58,11 +58,14 @@ class Batch:
     top_p: torch.Tensor  # [R] float32
     seed: torch.Tensor  # [R]
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
+    score_indices: torch.Tensor  # [S] tokens whose logits score the next prompt token (prompt logprobs)
+    score_targets: torch.Tensor  # [S] that next prompt token
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
     unfiltered: bool = False  # no row uses top-k or top-p: sampling needs no sort (sampling.py)
     padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
+    logprobs: bool = False  # some row wants logprobs, or some token scores the prompt (sampling.logprobs)
     # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
     # since it last held them (decode_keys.py); None for other batches and on the device
     key_source: object = field(default=None, repr=False, compare=False)
@@ -96,7 +99,7 @@ class Batch:
 DYNAMIC_ROWS = -1
 
 #: the host-side layout facts that travel with a batch but are not tensors
-LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded")
+LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded", "logprobs")
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
@@ -144,6 +147,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     first = np.cumsum(counts) - counts  # index of each chunk's first token
     q_seq = np.repeat(np.arange(rows), counts)
     positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
+    score_indices, score_targets = _score_rows(plan.scoring, first)
     source = None
     if decode:
         (kv_indices, kv_seq, kv_pos), source = decode_keys(cache, ends, tables, decode_bucket or kv_bucket)
@@ -167,12 +171,28 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         top_p=t(np.array(samp[1], np.float32)),
         seed=t(np.array(samp[2], np.int64)),
         counter=t(np.array(samp[3], np.int64)),
+        score_indices=t(score_indices), score_targets=t(score_targets),
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
         unfiltered=not any(k > 0 for k in samp[0]) and all(p >= 1.0 for p in samp[1]),
+        logprobs=bool(plan.scoring) or any(r.params.logprobs is not None for r in sampled),
         key_source=source,
     )
 
+
+
+def _score_rows(scoring: list, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt logprobs: for each scoring chunk (i, chunk), the batch index of every position before
+    the prompt's last, and the prompt token after it, whose logprob that position's logits give."""
+    if not scoring:
+        return _EMPTY, _EMPTY
+    idx, tgt = [], []
+    for i, c in scoring:
+        prompt = c.request.prompt
+        hi = min(c.end, len(prompt) - 1)
+        idx.append(first[i] + np.arange(hi - c.start))
+        tgt.append(np.asarray(prompt[c.start + 1:hi + 1], np.int64))
+    return np.concatenate(idx), np.concatenate(tgt)
 
 
 def _gather(chunks, allocator, decode_layout: bool):
@@ -240,7 +260,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
     with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.
     """
     t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
-    if batch.decode_rows or r > rows or not t:
+    if batch.decode_rows or r > rows or not t or batch.score_indices.shape[0]:  # (a scoring step: rare, eager)
         return batch
     if not tokens or not keys or t > max(tokens) or k + 1 > max(keys):
         return batch
@@ -258,8 +278,9 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         kv_indices=ext(batch.kv_indices, pk, scratch), kv_seq=ext(batch.kv_seq, pk, -1), kv_pos=ext(batch.kv_pos, pk, 0),
         logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
-        counter=ext(batch.counter, pr, 0),
+        counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
         all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
+        logprobs=batch.logprobs,
     )
 
 

@@ -14,6 +14,7 @@ core/async_loop.py) launch every step through here.
 from __future__ import annotations
 
 from .carry_over import apply_carry_over
+from .sampling import logprobs
 from .slots import IOSlot, StepArgs, bound_args, copy_in, copy_out
 
 
@@ -23,10 +24,13 @@ def forward_step(model, cache, args: StepArgs, compiled=None) -> None:
     Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
     """
     apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
-    if compiled is not None and args.batch.decode_rows:
-        tokens = compiled(args.batch, cache)
+    batch = args.batch
+    if batch.logprobs:  # the logits are needed beside the tokens (sampling.logprobs)
+        tokens = logprobs(model.logits, batch, cache, args.lp_values, args.lp_ids)
+    elif compiled is not None and batch.decode_rows:
+        tokens = compiled(batch, cache)
     else:
-        tokens = model.next_tokens(args.batch, cache)
+        tokens = model.next_tokens(batch, cache)
     args.out[: tokens.shape[0]].copy_(tokens)
 
 
@@ -55,7 +59,9 @@ def launch_step(runner, streams, slot: IOSlot, prev: IOSlot | None, step: int,
                    name="compute", lane="compute", **tag)
     compute.record(slot.compute_done)
     d2h.wait(slot.compute_done)  # outputs must exist
-    d2h.launch(copy_out, slot.buffers, slot.sizes["logits_indices"], name="D2H", lane="D2H", **tag)
+    rows = slot.sizes["logits_indices"]
+    scored = rows + slot.sizes["score_indices"] if slot.layout["logprobs"] else 0
+    d2h.launch(copy_out, slot.buffers, rows, scored, name="D2H", lane="D2H", **tag)
     d2h.record(slot.d2h_done)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .batch import TENSOR_FIELDS
 from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from .requests import MAX_LOGPROBS
 from .slots import EXTENT
 from .device import platform
 from .limits import host_bytes_free
@@ -56,8 +57,9 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
     kv *= model.dtype.itemsize
     caps = {"T": max_tokens, "K": max_keys, "R": rows}
     fields = sum(caps[EXTENT.get(name, "R")] for name in TENSOR_FIELDS)
-    io_host = 8 * (fields + 2 * rows) * num_slots  # every field, carry-over mask, sampled ids (int64 at most)
-    io_dev = 8 * (fields + 2 * rows + max_tokens) * num_slots  # + the patched ids
+    logprobs = 8 * (rows + max_tokens) * (1 + 2 * MAX_LOGPROBS)  # slots.LOGPROB_COLUMNS (float32) and the ids
+    io_host = (8 * (fields + 2 * rows) + logprobs) * num_slots  # every field, carry-over mask, sampled ids
+    io_dev = (8 * (fields + 2 * rows + max_tokens) + logprobs) * num_slots  # + the patched ids
     return {"kv": kv, "io_host": io_host, "io_dev": io_dev, "allocator": 40 * num_blocks}  # a Python int per block
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .args import INT64_MAX, _int, _number
 
@@ -42,6 +42,13 @@ class SamplingParams:
     one of the `stop` strings. What needs the model (ids inside its vocabulary, a tokenizer for stop
     strings) is checked by `for_model`.
 
+    `logprobs=k` also returns, for every generated token, its log-probability and the k most likely
+    tokens of that step with theirs (0: the token's own only; None: nothing); `prompt_logprobs=k`
+    the same for every prompt token after the first, from the prefill (it scores the prompt, as
+    lm-eval's loglikelihood tasks do; `max_new_tokens=0` then generates nothing). Both are computed
+    on the device in the step that samples, from the model's raw logits (before temperature or
+    filters), at most MAX_LOGPROBS alternatives.
+
     Sampling is seeded per request: the random numbers for a request's k-th generated token depend
     only on (seed, k), never on which other requests share the batch, so a sync run and an async run
     (whose batches differ) give the same tokens.
@@ -54,6 +61,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     eos_token_id: int | frozenset[int] | None = None  # one id, or several (Llama-3 lists several)
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top alternatives per generated token (0: its own logprob only)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: the checked (normalised) values replace what was given
@@ -61,7 +70,13 @@ class SamplingParams:
         put(self, "top_k", _int("top_k", self.top_k, low=0))
         put(self, "top_p", _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
         put(self, "seed", _int("seed", self.seed, low=0, high=INT64_MAX))  # travels to the device as int64
-        put(self, "max_new_tokens", _int("max_new_tokens", self.max_new_tokens))
+        put(self, "max_new_tokens", _int("max_new_tokens", self.max_new_tokens, low=0))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(self, name, _int(name, getattr(self, name), low=0, high=MAX_LOGPROBS))
+        if self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_new_tokens must be an integer >= 1, got 0 (0 only scores a prompt: give "
+                             "prompt_logprobs too)")
         put(self, "eos_token_id", _eos(self.eos_token_id))
         put(self, "stop", _stops(self.stop))
 
@@ -82,6 +97,16 @@ class SamplingParams:
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+MAX_LOGPROBS = 20  # alternatives per token the device computes for every row of a step that asks (OpenAI's limit)
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model (raw logits, natural log), and the `top` most likely
+    tokens at its position as (token id, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _eos(eos: Any) -> int | frozenset[int] | None:
@@ -121,6 +146,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # KV block table: logical block i -> physical block
     finish_reason: str | None = None  # "eos", "length"; online also "stop" or "cancelled"
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
     arrival_step: int = 0  # the request reaches the scheduler at this step (to simulate live traffic)
     scheduled_at: float | None = None  # time.perf_counter() when the scheduler first admitted it
 
@@ -148,12 +175,15 @@ class Request:
 
         The last generated token is never fed back, so its KV is never written.
         """
-        return len(self.prompt) + self.max_new_tokens - 1
+        return len(self.prompt) + max(self.max_new_tokens - 1, 0)
 
-    def append_token(self, token: int) -> None:
-        """Record one sampled token and finish the request if it hit EOS or its length."""
+    def append_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Record one sampled token (and its logprob, if asked for) and finish the request if it hit EOS
+        or its length."""
         assert self.state == RequestState.DECODING, self.state
         self.output.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         eos = self.eos_token_id
         if eos is not None and (token == eos if isinstance(eos, int) else token in eos):
             self.finish("eos")

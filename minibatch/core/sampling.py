@@ -11,11 +11,22 @@ draws exactly from the softmax distribution. The uniform numbers u come from a c
 so a request's random numbers do not depend on which other requests share its batch, or on the
 order in which batches run. That is what lets the sync and async loops, whose batches differ, give
 the same sampled tokens.
+
+`logprobs` is the same step for a batch that asks for log-probabilities too: the tokens chosen as
+above, and for every row the chosen token's log-probability and the MAX_LOGPROBS most likely tokens
+with theirs, written into the slot's logprob buffers (copied back with the tokens, so the loop stays
+free of host syncs). They come from the raw logits (log_softmax before temperature or filters), as
+OpenAI's and vLLM's do; a greedy token is the top-1. Rows that score a prompt (prompt logprobs)
+are logits of prompt positions added after the sampled rows, each scoring the prompt's next token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from .requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
 
@@ -82,3 +93,36 @@ def sample(
     choice = (sorted_logits + gumbel.gather(-1, order)).masked_fill(drop, float("-inf")).argmax(dim=-1)
     sampled = order.gather(-1, choice[:, None]).squeeze(-1)
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def choose(logits: torch.Tensor, batch) -> torch.Tensor:
+    """[R, V] logits of a batch's sampled rows -> [R] token ids, by the fastest path the batch allows."""
+    if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
+        return logits.float().argmax(dim=-1)
+    return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter,
+                  filtered=not batch.unfiltered)  # no top-k/top-p in the batch: no sort either
+
+
+def logprobs(logits_of, batch, cache, values_out: torch.Tensor, ids_out: torch.Tensor) -> torch.Tensor:
+    """Forward (`logits_of(batch, cache)`: the model's logits) + sample + logprobs -> [R] token ids.
+
+    Writes, for the R sampled rows and then the S scored prompt tokens, values_out as [R + S, 1 + K]
+    (the chosen or scored token's logprob, then the top K's) and ids_out as [R + S, K] (the top K's
+    ids), K = MAX_LOGPROBS (columns past the vocabulary's size are left as they are).
+    """
+    rows = batch.num_sampled
+    if batch.score_indices.shape[0]:  # the scored positions' logits come after the sampled rows'
+        keep = torch.cat([batch.logits_indices, batch.score_indices])
+        logits = logits_of(dataclasses.replace(batch, logits_indices=keep), cache)
+    else:
+        logits = logits_of(batch, cache)
+    tokens = choose(logits[:rows], batch)
+    scored = torch.cat([tokens, batch.score_targets])
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    n, k = lp.shape[0], min(MAX_LOGPROBS, lp.shape[-1])
+    top = lp.topk(k, dim=-1)
+    values = values_out[: n * (1 + MAX_LOGPROBS)].view(n, 1 + MAX_LOGPROBS)
+    values[:, 0].copy_(lp.gather(1, scored[:, None]).squeeze(1))
+    values[:, 1:k + 1].copy_(top.values)
+    ids_out[: n * MAX_LOGPROBS].view(n, MAX_LOGPROBS)[:, :k].copy_(top.indices)
+    return tokens

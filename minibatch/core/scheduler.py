@@ -22,13 +22,14 @@ token.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .kv_cache import BlockAllocator
-from .requests import Request, RequestState
+from .requests import Request, RequestState, TokenLogprob
 
 
 class ScheduledChunk(NamedTuple):
@@ -52,6 +53,10 @@ class ScheduledChunk(NamedTuple):
 class BatchPlan:
     step: int
     chunks: list[ScheduledChunk]
+    # prompt logprobs (requests.SamplingParams): (index in chunks, chunk) of the chunks whose positions
+    # score the prompt's next token, and the chunks that end a prompt that generates nothing
+    scoring: list[tuple[int, ScheduledChunk]] = field(default_factory=list)
+    ending: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -144,14 +149,30 @@ class Scheduler:
             self.running.append(r)
             chunks.append(self._prefill_chunk(r, budget))
             budget -= chunks[-1].num_tokens
-        for c in chunks[decode_chunks:]:  # prefill chunks: advance, and the last one of a prompt samples
-            c.request.num_computed = c.end
-            if c.sample:
-                c.request.num_sampled += 1
-                c.request.state = decoding
         plan = BatchPlan(self.step, chunks)
+        for i in range(decode_chunks, len(chunks)):  # prefill chunks: advance; the last one of a prompt samples
+            c = chunks[i]
+            r = c.request
+            r.num_computed = c.end
+            if r.params.prompt_logprobs is not None:
+                self._score(plan, i, c)
+            if c.sample:
+                r.num_sampled += 1
+                r.state = decoding
         self.step += 1
         return plan
+
+    @staticmethod
+    def _score(plan: BatchPlan, i: int, c: ScheduledChunk) -> None:
+        """Chunk i scores its prompt (prompt_logprobs): each position but the prompt's last scores the
+        next token; a prompt that generates nothing ends with its last chunk (and is retired as one whose
+        length is reached)."""
+        prompt = c.request.prompt
+        if c.start < len(prompt) - 1:
+            plan.scoring.append((i, c))
+        if c.end == len(prompt) and not c.sample:
+            plan.ending.append(c)
+            c.request.state = RequestState.DECODING
 
     def _retire_length_finished(self) -> None:
         """Give back the seat and blocks of requests whose last token is being sampled right now.
@@ -194,22 +215,30 @@ class Scheduler:
     @staticmethod
     def _prefill_chunk(r: Request, budget: int) -> ScheduledChunk:
         end = min(len(r.prompt), r.num_computed + budget)
-        return ScheduledChunk(r, r.num_computed, end, sample=end == len(r.prompt))
+        return ScheduledChunk(r, r.num_computed, end, sample=end == len(r.prompt) and r.max_new_tokens > 0)
 
-    def update(self, plan: BatchPlan, sampled: list[int]) -> list[Request]:
-        """Hand each sampled token to its request; retire the finished. Returns newly finished requests."""
+    def update(self, plan: BatchPlan, sampled: list[int], logprobs=None) -> list[Request]:
+        """Hand each sampled token (and its logprobs: `logprobs`, from IOSlot.logprobs) to its request;
+        retire the finished. Returns newly finished requests."""
         sampling = plan.sampling_chunks
         if len(sampled) != len(sampling):
             raise RuntimeError(f"step {plan.step}: {len(sampling)} tokens expected, {len(sampled)} came back")
         done = []
         finished = RequestState.FINISHED
-        for chunk, token in zip(sampling, sampled):
+        rows = logprob_rows(sampling, sampled, logprobs[0]) if logprobs else itertools.repeat(None)
+        for chunk, token, logprob in zip(sampling, sampled, rows):
             r = chunk.request
             if r.state is finished:
                 continue  # async only: it hit EOS one step earlier; this token is past its end
-            r.append_token(int(token))
+            r.append_token(int(token), logprob)
             if r.state is finished:
                 done.append(r)
+        if logprobs:
+            _prompt_logprobs(plan.scoring, logprobs[1])
+        for c in plan.ending:  # prompts scored, nothing to generate
+            if c.request.state is not finished:
+                c.request.finish("length")
+                done.append(c.request)
         for r in done:
             if r in self.retiring:
                 self.retiring.remove(r)  # seat and blocks were given back when it was planned
@@ -218,3 +247,29 @@ class Scheduler:
                 self.running.remove(r)
             self.finished.append(r)
         return done
+
+
+def _token_logprob(token: int, values, ids, k: int) -> TokenLogprob:
+    """One row of a step's logprobs (slots.IOSlot.logprobs): the token's, then the top k of the row."""
+    return TokenLogprob(token, float(values[0]), tuple(zip(ids[:k].tolist(), values[1:k + 1].tolist())))
+
+
+def logprob_rows(sampling: list[ScheduledChunk], sampled: list[int], rows):
+    """The TokenLogprob of each sampled token whose request asked for logprobs (None for the others)."""
+    values, ids = rows
+    for i, (c, token) in enumerate(zip(sampling, sampled)):
+        k = c.request.params.logprobs
+        yield None if k is None else _token_logprob(int(token), values[i], ids[i], k)
+
+
+def _prompt_logprobs(scoring: list[tuple[int, ScheduledChunk]], rows) -> None:
+    """The scored prompt tokens' TokenLogprobs, in the order build_batch laid out their rows."""
+    values, ids = rows
+    row = 0
+    for _, c in scoring:
+        r = c.request
+        prompt, k = r.prompt, r.params.prompt_logprobs
+        for pos in range(c.start, min(c.end, len(prompt) - 1)):
+            if r.state is not RequestState.FINISHED:
+                r.prompt_logprobs.append(_token_logprob(prompt[pos + 1], values[row], ids[row], k))
+            row += 1

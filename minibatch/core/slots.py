@@ -30,11 +30,14 @@ from dataclasses import dataclass
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
 from .device import Device, resident
+from .requests import MAX_LOGPROBS
 
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
-          "kv_indices": "K", "kv_seq": "K", "kv_pos": "K"}
+          "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T"}
+#: logprobs, row by row (sampled rows, then scored prompt tokens): the chosen token's and the top K's
+LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
 
 
 class IOSlot:
@@ -64,6 +67,10 @@ class IOSlot:
         self.dev["carry"] = device_buffer(max_rows, torch.int64, -1)
         self.out_host = dev.pin(torch.zeros(max_rows, dtype=torch.int64))
         self.out_dev = device_buffer(max_rows, torch.int64)
+        lp_rows = max_rows + max_tokens  # a step's sampled rows, and at most one scored prompt token per token
+        for name, dtype, width in (("lp_values", torch.float32, LOGPROB_COLUMNS), ("lp_ids", torch.int64, MAX_LOGPROBS)):
+            self.host[name] = dev.pin(torch.zeros(lp_rows * width, dtype=dtype))
+            self.dev[name] = device_buffer(lp_rows * width, dtype)
         self.buffers = SlotBuffers(index, self.host, self.dev, self.out_host, self.out_dev)
         self._np = {name: t.numpy() for name, t in self.host.items()}  # the same host memory, for load
         self.h2d_done, self.compute_done, self.d2h_done = dev.event(), dev.event(), dev.event()
@@ -107,6 +114,18 @@ class IOSlot:
         """The first `rows` sampled ids on the host (only after d2h_done)."""
         return self.out_host[:rows].tolist()
 
+    def logprobs(self, rows: int):
+        """None if the loaded step computed no logprobs; else ((values, ids) of the first `rows` sampled
+        rows, (values, ids) of its scored prompt tokens): numpy copies, values [n, 1 + K] (the token's
+        logprob, then the top K's), ids [n, K] (only after d2h_done)."""
+        if not self.layout.get("logprobs"):
+            return None
+        sampled, scored = self.sizes["logits_indices"], self.sizes["score_indices"]
+        values = self._np["lp_values"].reshape(-1, LOGPROB_COLUMNS)
+        ids = self._np["lp_ids"].reshape(-1, MAX_LOGPROBS)
+        return ((values[:rows].copy(), ids[:rows].copy()),
+                (values[sampled:sampled + scored].copy(), ids[sampled:sampled + scored].copy()))
+
 
 @dataclass
 class StepArgs:
@@ -117,6 +136,8 @@ class StepArgs:
     source: torch.Tensor  # the previous batch's sampled ids (carry-over source)
     carry: torch.Tensor
     out: torch.Tensor
+    lp_values: torch.Tensor  # (flat) logprobs out: sampling.logprobs writes them when batch.logprobs
+    lp_ids: torch.Tensor
     batch: Batch
     key: tuple  # (slot, previous slot, tokens, keys, sampled rows, layout): one CUDA graph per key
 
@@ -144,9 +165,13 @@ def copy_in(buffers: SlotBuffers, used: tuple) -> None:
             buffers.dev[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
 
 
-def copy_out(buffers: SlotBuffers, rows: int) -> None:
-    """D2H of the first `rows` sampled ids."""
+def copy_out(buffers: SlotBuffers, rows: int, logprob_rows: int = 0) -> None:
+    """D2H of the first `rows` sampled ids, and of `logprob_rows` rows of logprobs."""
     buffers.out_host[:rows].copy_(buffers.out_dev[:rows], non_blocking=True)
+    for name, width in (("lp_values", LOGPROB_COLUMNS), ("lp_ids", MAX_LOGPROBS)):
+        n = logprob_rows * width
+        if n:
+            buffers.host[name][:n].copy_(buffers.dev[name][:n], non_blocking=True)
 
 
 def bound_args(buffers: SlotBuffers, prev: SlotBuffers | None, used: tuple, layout: tuple) -> StepArgs:
@@ -159,7 +184,7 @@ def bound_args(buffers: SlotBuffers, prev: SlotBuffers | None, used: tuple, layo
     return StepArgs(
         patched_ids=dev["patched_ids"][:n], input_ids=dev["input_ids"][:n],
         source=(prev or buffers).out_dev,  # sync loop: no previous slot, and the mask is all -1
-        carry=dev["carry"], out=buffers.out_dev,
+        carry=dev["carry"], out=buffers.out_dev, lp_values=dev["lp_values"], lp_ids=dev["lp_ids"],
         batch=Batch(**views, **dict(layout)),
         key=(buffers.index, None if prev is None else prev.index, n, sizes["kv_indices"], sizes["logits_indices"],
              *(v for _, v in layout)),

@@ -39,6 +39,7 @@ def sync_step(run) -> list:
     with timeline.span("CPU", "wait", step, slot.index):
         slot.d2h_done.synchronize(run.timeout)  # the loop's one wait on the device
     with timeline.span("CPU", "update", step, slot.index):
-        done = scheduler.update(plan, slot.sampled(len(plan.sampling_chunks)))
+        rows = len(plan.sampling_chunks)
+        done = scheduler.update(plan, slot.sampled(rows), slot.logprobs(rows))
     run.stepped(plan, done)
     return done

@@ -30,7 +30,7 @@ from .attention import ATTN_NAME, PagedMeta
 from ..core.batch import Batch
 from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..core.kv_cache import PagedKVCache
-from ..core.sampling import sample
+from ..core.sampling import choose
 from ..speed.compat import tensor_version
 from ..core.device import platform, resident
 
@@ -143,11 +143,7 @@ class Model:
     def forward_sample(self, batch: Batch, cache: PagedKVCache, decode_attention: str | None = None) -> torch.Tensor:
         """Forward + sample -> [R] int64 next tokens (what `next_tokens` runs; what a compiled step compiles).
         `decode_attention` overrides the model's for this call."""
-        logits = self._forward(batch, cache, decode_attention)
-        if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
-            return logits.float().argmax(dim=-1)
-        return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter,
-                      filtered=not batch.unfiltered)  # no top-k/top-p in the batch: no sort either
+        return choose(self._forward(batch, cache, decode_attention), batch)
 
     @torch.inference_mode()
     def logits(self, batch: Batch, cache: PagedKVCache) -> torch.Tensor:
