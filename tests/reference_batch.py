@@ -23,8 +23,13 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
     """The batch minibatch.core.batch.build_batch must build (same arguments, same meaning)."""
     ids, pos, qseq, cells, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
+    scored, targets = [], []  # prompt logprobs: every prompt position but the last scores the next token
     for i, c in enumerate(plan.chunks):
         r = c.request
+        if r.params.prompt_logprobs is not None:
+            for p in range(c.start, c.end):
+                if p + 1 < len(r.prompt):
+                    scored.append(len(ids) + p - c.start), targets.append(r.prompt[p + 1])
         ids.extend(input_token(r, p) for p in range(c.start, c.end))
         pos.extend(range(c.start, c.end))
         qseq.extend([i] * c.num_tokens)
@@ -60,9 +65,11 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         top_p=torch.tensor(topp, dtype=torch.float32),
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
+        score_indices=torch.tensor(scored, dtype=i64), score_targets=torch.tensor(targets, dtype=i64),
         decode_rows=len(ends) if decode else 0,
         all_greedy=bool(temp) and all(t == 0 for t in temp),
         unfiltered=all(k <= 0 for k in topk) and all(p >= 1.0 for p in topp),
+        logprobs=bool(scored) or any(c.request.params.logprobs is not None for c in plan.chunks if c.sample),
     )
 
 

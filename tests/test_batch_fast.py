@@ -25,6 +25,9 @@ workloads = st.fixed_dictionaries({
     "decode_bucket": st.sampled_from([None, 4, 64]),
     "rows": st.sampled_from([(), ROW_BUCKETS]),
     "in_flight": st.booleans(),
+    # per request: no logprobs, logprobs of its tokens, of its prompt, or a prompt scored with nothing generated
+    "logprobs": st.lists(st.sampled_from([(None, None), (2, None), (None, 1), (0, 3), ("zero", 0)]),
+                         min_size=10, max_size=10),
 })
 
 
@@ -41,9 +44,13 @@ def test_fast_builder_equals_reference(w):
     """Every step of a random workload, both layouts; with `in_flight`, tokens reach the requests one
     step late, as in the async loop, so decode inputs are placeholders."""
     bs = w["block_size"]
-    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)],
-                    SamplingParams(w["temperature"][i], seed=i, max_new_tokens=w["max_new"][i], eos_token_id=w["eos"]))
-            for i, n in enumerate(w["prompts"])]
+    def params(i: int) -> SamplingParams:
+        logprobs, prompt_logprobs = w["logprobs"][i]
+        new = 0 if logprobs == "zero" else w["max_new"][i]
+        return SamplingParams(w["temperature"][i], seed=i, max_new_tokens=new, eos_token_id=w["eos"],
+                              logprobs=None if logprobs == "zero" else logprobs, prompt_logprobs=prompt_logprobs)
+
+    reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], params(i)) for i, n in enumerate(w["prompts"])]
     cache = PagedKVCache(1, 1, 1, sum(-(-r.max_len // bs) for r in reqs), bs)
     sched = Scheduler(cache.allocator, w["max_batch_size"] + w["extra_budget"], w["max_batch_size"])
     for r in reqs:

@@ -121,3 +121,88 @@ def test_metrics_count_requests_tokens_and_latencies(client, server):
 def _metrics(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(minibatch_\S+) (\S+)$", text, re.M)}
+
+
+# --- logprobs and echo ---------------------------------------------------------------------------------
+
+def _reference(tiny, ids: list[int]):
+    """log_softmax of the tiny model's logits at every position of `ids`, by Hugging Face's forward."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(tiny.hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+ROWS = [("The for statement", " loops"), ("A class definition", " defines a class"), ("Exceptions are", " raised")]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])  # lm-eval's request has 1; older versions and vLLM's docs 0
+def test_lm_eval_loglikelihood_requests(server, tiny, max_tokens):
+    """lm-eval's local-completions loglikelihood request as it sends it (token ids, echo, logprobs=1), read
+    as it reads it: the continuation's logprobs summed, and is_greedy from each token's top logprob."""
+    tok = tiny.tokenizer
+    contexts = [tok.encode(c) for c, _ in ROWS]
+    full = [ctx + tok.encode(cont, add_bos=False) for ctx, (_, cont) in zip(contexts, ROWS)]
+    body = {"model": "tiny", "prompt": full, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(ROWS)
+    for ids, ctx, choice in zip(full, contexts, choices):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
+        cut = slice(len(ctx), len(ids))  # lm-eval cuts [ctxlen:-1] with one generated token, [ctxlen:] with none
+        got = sum(lp["token_logprobs"][cut])
+        greedy = all(t == max(top.values()) for t, top in zip(lp["token_logprobs"][cut], lp["top_logprobs"][cut]))
+        ref = _reference(tiny, ids)
+        want = sum(ref[p - 1, ids[p]].item() for p in range(len(ctx), len(ids)))
+        assert got == pytest.approx(want, abs=1e-4), (got, want)
+        assert greedy == all(ref[p - 1].argmax().item() == ids[p] for p in range(len(ctx), len(ids)))
+        assert choice["text"].startswith(tok.decode(ids))  # echo: the prompt, then what was generated
+    if max_tokens == 0:
+        assert all(c["text"] == tok.decode(ids) for c, ids in zip(choices, full))
+
+
+def test_logprobs_of_generated_tokens_match_the_model_and_greedy_is_top_1(client, tiny):
+    tok = tiny.tokenizer
+    prompt = PROMPTS[0]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    new = minibatch.generate(tiny, [tok.encode(prompt)], eos_token_id=tok.eos_token_id, max_new_tokens=8)[0]
+    assert lp.tokens == [tok.decode([t]) for t in new]
+    ref = _reference(tiny, tok.encode(prompt) + new)
+    start = len(tok.encode(prompt)) - 1
+    for k, (t, value, top) in enumerate(zip(new, lp.token_logprobs, lp.top_logprobs)):
+        assert value == pytest.approx(ref[start + k, t].item(), abs=1e-4)
+        assert len(top) <= 3 and max(top.values()) == value  # greedy: the token is the most likely one
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    streamed = []
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                           stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == lp.token_logprobs
+    # sampled tokens too, through chat: each token's logprob and its top alternatives, most likely first
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                       temperature=0.9, seed=5, logprobs=True, top_logprobs=4)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(e.top_logprobs) == 4 for e in content)
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and e.logprob <= tops[0] + 1e-6 and e.bytes == list(e.token.encode())
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=6, temperature=0.9, seed=5)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == c.choices[0].message.content
+
+
+def test_echo_streams_the_prompt_first(client, tiny):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True,
+                                            logprobs=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPTS[1] and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) == len(tiny.tokenizer.encode(PROMPTS[1]))
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True,
+                                      logprobs=0)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert whole.choices[0].text.startswith(PROMPTS[1])

@@ -57,7 +57,7 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
     kv *= model.dtype.itemsize
     caps = {"T": max_tokens, "K": max_keys, "R": rows}
     fields = sum(caps[EXTENT.get(name, "R")] for name in TENSOR_FIELDS)
-    logprobs = 8 * (rows + max_tokens) * (1 + 2 * MAX_LOGPROBS)  # slots.LOGPROB_COLUMNS (float32) and the ids
+    logprobs = (rows + max_tokens) * (4 * (1 + MAX_LOGPROBS) + 8 * MAX_LOGPROBS)  # float32 values, int64 ids
     io_host = (8 * (fields + 2 * rows) + logprobs) * num_slots  # every field, carry-over mask, sampled ids
     io_dev = (8 * (fields + 2 * rows + max_tokens) + logprobs) * num_slots  # + the patched ids
     return {"kv": kv, "io_host": io_host, "io_dev": io_dev, "allocator": 40 * num_blocks}  # a Python int per block

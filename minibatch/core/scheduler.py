@@ -225,7 +225,10 @@ class Scheduler:
             raise RuntimeError(f"step {plan.step}: {len(sampling)} tokens expected, {len(sampled)} came back")
         done = []
         finished = RequestState.FINISHED
-        rows = logprob_rows(sampling, sampled, logprobs[0]) if logprobs else itertools.repeat(None)
+        rows = itertools.repeat(None)
+        if logprobs:  # (the prompt's first: a chunk that scores its prompt's end may finish it with its token)
+            _prompt_logprobs(plan.scoring, logprobs[1])
+            rows = logprob_rows(sampling, sampled, logprobs[0])
         for chunk, token, logprob in zip(sampling, sampled, rows):
             r = chunk.request
             if r.state is finished:
@@ -233,8 +236,6 @@ class Scheduler:
             r.append_token(int(token), logprob)
             if r.state is finished:
                 done.append(r)
-        if logprobs:
-            _prompt_logprobs(plan.scoring, logprobs[1])
         for c in plan.ending:  # prompts scored, nothing to generate
             if c.request.state is not finished:
                 c.request.finish("length")

@@ -23,7 +23,8 @@ from .protocol import BadRequest, ChatRequest, CompletionRequest
 
 # engine argument names -> the OpenAI parameter a client sent
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt": "prompt", "temperature": "temperature", "top_p": "top_p",
-                "top_k": "top_k", "seed": "seed", "stop": "stop"}
+                "top_k": "top_k", "seed": "seed", "stop": "stop", "prompt_logprobs": "logprobs",
+                "logprobs": "logprobs"}
 
 
 class EngineDead(RuntimeError):
@@ -198,10 +199,47 @@ async def _merged(streams):
             t.cancel()
 
 
+def _decoder(state: ServerState):
+    """Token ids -> text, for logprobs and echo (a model without a tokenizer names its ids)."""
+    tok = state.model.tokenizer
+    return tok.decode if tok is not None else (lambda ids: "".join(f"token_id:{i}" for i in ids))
+
+
+def _echo(state: ServerState, p, i: int, s) -> tuple[str, dict | None]:
+    """Choice i's echoed prompt (completions, `echo`): its text, as sent where it was text, and its
+    tokens' logprobs where logprobs were asked for (the first token has none)."""
+    prompt = p.prompts[i // p.n]
+    decode = _decoder(state)
+    text = prompt if isinstance(prompt, str) else decode(s.prompt_ids)
+    shown = p.logprobs is not None
+    return text, replies.completion_logprobs(decode, [s.prompt_ids[0], *s.prompt_logprobs]) if shown else None
+
+
+def _logprobs(state: ServerState, p, tokens: list, offset: int = 0) -> dict | None:
+    """`tokens`' logprobs in the endpoint's shape, or None where the request asked for none."""
+    if p.logprob_counts()[0] is None:
+        return None
+    decode = _decoder(state)
+    return replies.chat_logprobs(decode, tokens) if p.chat else replies.completion_logprobs(decode, tokens, offset)
+
+
+def _choice(state: ServerState, p, i: int, s) -> tuple:
+    """A whole answer's choice i: (text, finish reason, logprobs)."""
+    text, finish = s.text or "", replies.FINISH.get(s.finish_reason, s.finish_reason)
+    if p.chat or not p.echo:
+        return text, finish, _logprobs(state, p, s.logprobs)
+    echoed, lp = _echo(state, p, i, s)
+    if lp is not None:
+        after = _logprobs(state, p, s.logprobs, len(echoed))
+        lp = {k: lp[k] + after[k] for k in lp}
+    return echoed + text, finish, lp
+
+
 async def _sse(state: ServerState, request, streams, prompt_tokens: int, p: CompletionRequest | ChatRequest):
     rid, name = replies.new_id(p.chat), state.name
     watcher = asyncio.ensure_future(_watch_disconnect(state, request, streams))
     n, failed = 0, None
+    offsets = [None] * len(streams)  # each choice's text so far (completions' text_offset); None: nothing sent
     try:
         if p.chat:
             for i in range(len(streams)):
@@ -210,10 +248,18 @@ async def _sse(state: ServerState, request, streams, prompt_tokens: int, p: Comp
             if c is None:
                 failed = streams[i]
                 continue
+            if offsets[i] is None:
+                offsets[i] = 0
+                if not p.chat and p.echo:  # the prompt first: its logprobs are complete with its first chunk
+                    text, lp = _echo(state, p, i, streams[i])
+                    offsets[i] = len(text)
+                    yield _frame(replies.chunk(rid, name, False, text, None, i, lp))
             n += len(c.token_ids)
             finish = replies.FINISH.get(c.finish_reason) if c.finish_reason else None
             if c.token_ids or c.text or finish:
-                yield _frame(replies.chunk(rid, name, p.chat, c.text, finish, index=i))
+                lp = _logprobs(state, p, list(c.logprobs), offsets[i])
+                offsets[i] += sum(len(t) for t in lp["tokens"]) if lp and not p.chat else 0
+                yield _frame(replies.chunk(rid, name, p.chat, c.text, finish, i, lp))
         if failed is not None:
             yield _frame(_engine_error(state, failed).body())  # an error event, as OpenAI's API sends one
         elif p.include_usage:
@@ -330,5 +376,5 @@ async def handle(state: ServerState, request, chat: bool):
         for s in streams:
             state.close(s)
     use = replies.usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
-    choices = [(s.text or "", replies.FINISH.get(s.finish_reason, s.finish_reason)) for s in streams]
+    choices = [_choice(state, p, i, s) for i, s in enumerate(streams)]
     return JSONResponse(replies.response(replies.new_id(chat), state.name, chat, choices, use))

@@ -67,6 +67,7 @@ class ServingLoop:
     def submit(self, request: Request, stream: TokenStream, tokenizer) -> TokenStream:
         stream._request, stream._cancel = request, self.cancel
         stream._detok = Detokenizer(tokenizer, request.params.stop)
+        stream.prompt_ids, stream.prompt_logprobs = request.prompt, request.prompt_logprobs  # (filled by the loop)
         with self.cond:
             self._check_open()
             if self.max_queue is not None and len(self.inbox) + len(self.run.scheduler.waiting) >= self.max_queue:
@@ -128,7 +129,7 @@ class ServingLoop:
 
     def _deliver(self, plan, wakeups: Wakeups) -> None:
         now, scheduler = time.perf_counter(), self.run.scheduler
-        for chunk in plan.sampling_chunks:
+        for chunk in plan.sampling_chunks + plan.ending:  # (ending: prompts scored, nothing generated)
             r = chunk.request
             stream = self.streams.get(r)
             if stream is None:
@@ -136,15 +137,17 @@ class ServingLoop:
             if stream.first_scheduled is None:
                 stream.first_scheduled = r.scheduled_at
             new = r.output[len(stream.token_ids):]
+            logprobs = tuple(r.logprobs[len(stream.logprobs):len(r.output)])
             detok = stream._detok
             text = detok.add(new)
             if detok.stopped and r.state is not RequestState.FINISHED:
                 scheduler.finish(r, "stop")
             if r.finish_reason is None:
-                stream.put(Chunk(new, text), now, wakeups)
+                stream.put(Chunk(new, text, None, logprobs), now, wakeups)
             else:
                 text += detok.flush()
-                self._end(r, stream, Chunk(new, text, "stop" if detok.stopped else r.finish_reason), now, wakeups)
+                reason = "stop" if detok.stopped else r.finish_reason
+                self._end(r, stream, Chunk(new, text, reason, logprobs), now, wakeups)
 
     def _end(self, request: Request, stream: TokenStream, chunk: Chunk, now: float | None = None,
              wakeups: Wakeups | None = None) -> None:

@@ -36,12 +36,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..core.requests import SamplingParams
+from ..core.requests import MAX_LOGPROBS, SamplingParams
 
 # accepted only at the value that turns them off: the engine cannot honour anything else
 OFF_VALUES = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
 }
@@ -101,9 +101,6 @@ class _Body(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     best_of: Any = None
     suffix: Any = None
     logit_bias: Any = None
@@ -132,6 +129,10 @@ class _Body(BaseModel):
             raise ValueError("'stop' takes at most 16 non-empty strings")
         return stops
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(SamplingParams.logprobs, .prompt_logprobs) for this request."""
+        return None, None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -143,9 +144,11 @@ class _Body(BaseModel):
         if self.stop_token_ids:
             given = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
             eos_token_id = frozenset([*given, *self.stop_token_ids])
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(temperature=self.temperature, top_k=0 if self.top_k in (None, -1) else self.top_k,
                               top_p=self.top_p, seed=seed % SEED_LIMIT, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop))
+                              eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _is_int(v) -> bool:
@@ -158,6 +161,21 @@ class CompletionRequest(_Body):
 
     chat: ClassVar[bool] = False
     prompt: Any
+    max_tokens: int | None = Field(None, ge=0)  # 0 (with echo): score the prompt, generate nothing
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the top k per token (OpenAI: at most 5)
+    echo: bool = False  # the prompt comes back in front of the text (and its tokens' logprobs, with logprobs)
+
+    @model_validator(mode="after")
+    def _zero_tokens(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("'max_tokens' is 0, which only makes sense with 'echo' (the prompt's logprobs): "
+                             "send at least 1")
+        return self
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        # the engine scores a prompt it generates nothing for (max_tokens=0) even when no logprobs are shown
+        prompt = self.logprobs if self.echo and self.logprobs is not None else 0 if self.max_tokens == 0 else None
+        return self.logprobs, prompt
 
     @field_validator("prompt")
     @classmethod
@@ -220,12 +238,19 @@ class ChatRequest(_Body):
     chat: ClassVar[bool] = True
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None  # each generated token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the k most likely at its place
 
     @model_validator(mode="after")
     def _newer_name(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     @property
     def prompts(self) -> list[list[dict]]:
@@ -310,6 +335,8 @@ def _bad(error: dict) -> BadRequest:
         return BadRequest(message, param, kind)
     if kind == "value_error":
         message = message.removeprefix("Value error, ")
+        if param is None and message.startswith("'"):  # a check of the whole body names its parameter first
+            param = message[1:message.index("'", 1)]
         return BadRequest(message if message.startswith("'") else f"'{param}' {message}", param)
     return BadRequest(f"'{param}': {message[0].lower()}{message[1:]}, got {error.get('input')!r}", param)
 

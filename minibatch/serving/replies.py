@@ -1,5 +1,12 @@
-"""The OpenAI wire format's answers: a whole response, the chunks of a stream, the usage (the requests
-are protocol.py's)."""
+"""The OpenAI wire format's answers: a whole response, the chunks of a stream, the usage, the logprobs
+(the requests are protocol.py's).
+
+Logprobs come in two shapes. Completions (the legacy shape lm-eval reads): parallel lists
+`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry per token, a token's top
+alternatives as a {token text: logprob} dict (an echoed prompt's first token has None for both:
+nothing comes before it). Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+"refusal": None}`. Token texts are the tokenizer's decoding of each id alone.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +25,48 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None]], use: dict) -> dict:
-    """The whole answer of a request that did not stream: `choices` is (text, finish reason) per choice."""
+def completion_logprobs(decode, tokens: list, offset: int = 0) -> dict:
+    """The completions shape of `tokens` (TokenLogprobs; an int: a token with no logprob), its text
+    offsets counted from `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        text = decode([t if isinstance(t, int) else t.token])
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if isinstance(t, int) else t.logprob)
+        out["top_logprobs"].append(None if isinstance(t, int) else _by_text(decode, t.top))
+    return out
+
+
+def _by_text(decode, top) -> dict:
+    """{token text: logprob}, most likely first; two ids with one text (parts of one character) keep the
+    higher logprob."""
+    out: dict = {}
+    for i, lp in top:
+        out.setdefault(decode([i]), lp)
+    return out
+
+
+def chat_logprobs(decode, tokens: list) -> dict:
+    """The chat shape of `tokens` (TokenLogprobs)."""
+    def entry(token: int, logprob: float) -> dict:
+        text = decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                        for t in tokens], "refusal": None}
+
+
+def response(rid: str, model: str, chat: bool, choices: list[tuple], use: dict) -> dict:
+    """The whole answer of a request that did not stream: `choices` is (text, finish reason, logprobs or
+    None) per choice."""
     if chat:
-        listed = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
-                   "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
+        listed = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": lp,
+                   "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
     else:
-        listed = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                  for i, (text, finish) in enumerate(choices)]
+        listed = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                  for i, (text, finish, lp) in enumerate(choices)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": listed, "usage": use}
 
@@ -35,14 +76,15 @@ def _chunk_head(rid: str, model: str, chat: bool) -> dict:
             "created": int(time.time()), "model": model}
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, index: int = 0) -> dict:
-    """One streamed chunk of choice `index`: some text, a finish reason, or both."""
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
+    """One streamed chunk of choice `index`: some text, a finish reason, or both (and its tokens' logprobs)."""
     body = _chunk_head(rid, model, chat)
     if chat:
         delta = {"content": text} if text else {}
-        body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        body["choices"] = [{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     return body
 
 

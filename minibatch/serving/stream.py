@@ -32,6 +32,7 @@ class Chunk:
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None
+    logprobs: tuple = ()  # a TokenLogprob per token, where the request asked for logprobs
 
 
 class Detokenizer:
@@ -135,6 +136,10 @@ class TokenStream:
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
     error: BaseException | None = None  # the engine failed: reading on raises it
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token (SamplingParams.logprobs)
+    prompt_ids: list[int] = field(default_factory=list)
+    # the prompt's tokens 1.. scored (SamplingParams.prompt_logprobs): complete before the first chunk arrives
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._chunks: list[Chunk] = []
@@ -148,6 +153,7 @@ class TokenStream:
         the caller sends them (one wake-up per event loop for a whole update)."""
         with self._cond:
             self.token_ids += chunk.token_ids
+            self.logprobs += chunk.logprobs
             self.text += chunk.text
             self.token_times += [now] * len(chunk.token_ids)
             if chunk.finish_reason is not None:
