@@ -223,9 +223,11 @@ def test_device_clock_spans_on_gpu():
     assert {"CPU", "H2D", "compute", "D2H"} <= lanes and 0 < tl.device_busy() <= 1
 
 
-def test_the_loops_make_no_implicit_host_sync(monkeypatch):
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
     """Both loops, eager and with graphs, with prefill steps and requests arriving mid-run, under
-    torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync."""
+    torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync.
+    With `logprobs`, every request also asks for its tokens' and its prompt's logprobs (sampling.logprobs)."""
     from minibatch.devices.cuda import CudaEvent
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
@@ -243,9 +245,10 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch):
     for graphs in (True, False):
         with minibatch.Engine(model) as engine:
             for mode in ("sync", "async"):
-                kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
+                asks = dict(logprobs=logprobs, prompt_logprobs=logprobs)
+                kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs, **asks)
                 ref = engine.generate(work, mode=mode, arrival_steps=arrivals, **kw)  # warm-up: captures, loads
-                requests = [Request(i, p, SamplingParams(max_new_tokens=16), arrival_step=a)
+                requests = [Request(i, p, SamplingParams(max_new_tokens=16, **asks), arrival_step=a)
                             for i, (p, a) in enumerate(zip(work, arrivals))]
                 engine.start(requests, mode, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
                 monkeypatch.setattr(CudaEvent, "synchronize", intended_wait)
@@ -258,6 +261,31 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch):
                     monkeypatch.undo()
                 engine.finish()
                 assert [r.output for r in requests] == ref
+                if logprobs:
+                    assert all(len(r.logprobs) == len(r.output) and len(r.prompt_logprobs) == len(r.prompt) - 1
+                               for r in requests)
+
+
+def test_logprobs_on_the_gpu_match_the_model_with_graphs():
+    """Decode steps with logprobs are CUDA graphs (their own shapes); prompt scoring steps stay eager. Both
+    agree with Hugging Face's forward in float32, and greedy tokens are each row's top-1."""
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(4, model.vocab_size, seed=3)
+    requests = [Request(i, p, SamplingParams(max_new_tokens=12, logprobs=4, prompt_logprobs=2)) for i, p in enumerate(work)]
+    with minibatch.Engine(model) as engine:
+        engine.start(requests, "async", max_batch_size=4, max_batch_tokens=16, cuda_graphs=True)
+        while engine.has_work():
+            engine.step()
+        engine.finish()
+        assert engine.run is None and any(engine.kept[s].runner.graphs for s in engine.kept)
+    for r in requests:
+        ids = r.prompt + r.output
+        with torch.no_grad():
+            ref = torch.log_softmax(model.hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1).cpu()
+        got = [t.logprob for t in r.prompt_logprobs + r.logprobs]
+        want = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+        assert got == pytest.approx(want, abs=2e-3)
+        assert all(t.top[0][0] == t.token for t in r.logprobs)
 
 
 @pytest.mark.parametrize("name", ["random-llama", "random-qwen2", "random-qwen3", "random-mistral"])
