@@ -262,6 +262,57 @@ print("offline generate:  ", repr(offline))
 print("same text:", "".join(pieces) == offline)
 
 # %% [markdown]
+# ### How sure was the model? Logprobs
+#
+# A server can also say how likely each token was. With `logprobs=k` every generated token comes
+# back with its log-probability and the `k` most likely tokens at its place; with `echo=True` the
+# prompt comes back in front of the text, its tokens scored too (all but the first: nothing comes
+# before it). The engine computes them on the device, in the step that samples, from the model's
+# raw logits (`logprobs` in `minibatch/core/sampling.py`), and copies them back beside the sampled
+# ids, so the loop waits for nothing more. The prompt's scores come from the prefill: each prompt
+# position's logits score the next prompt token. A greedy token is always its place's most likely one:
+
+# %%
+import math
+
+prompt = "The for statement"
+r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, echo=True, logprobs=3)
+lp = r.choices[0].logprobs
+n_prompt = len(tok.encode(prompt))
+print("text:", repr(r.choices[0].text))
+print("tokens:", len(lp.tokens), f"({n_prompt} of the prompt, {len(lp.tokens) - n_prompt} generated)")
+print("greedy tokens are the top-1:", all(max(top.values()) == v for v, top in
+                                          zip(lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:])))
+
+probs = [0.0 if v is None else math.exp(v) for v in lp.token_logprobs]
+fig, ax = plt.subplots(figsize=(11, 3.2))
+ax.bar(range(len(probs)), probs, color=["#4C72B0" if i < n_prompt else "#C44E52" for i in range(len(probs))])
+ax.set_xticks(range(len(probs)), [repr(t)[1:-1] or "BOS" for t in lp.tokens], fontsize=8)
+ax.set(ylabel="probability", ylim=(0, 1),
+       title="each token's probability under the model: the prompt (blue, from the prefill), then the reply (red)")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_logprobs.png", dpi=110)
+
+# %% [markdown]
+# The prompt's letters after the first of each word are easy for a model trained on such text; the
+# first letter of a word is where it hesitates. Evaluation harnesses use exactly this to grade a
+# model on multiple-choice questions: lm-eval sends each candidate answer after its question with
+# `echo=True` and no new tokens, adds up the answer tokens' logprobs, and picks the likeliest answer
+# (`tests/test_server_openai.py` sends its exact request). Here, which ending is likelier?
+
+
+# %%
+def score(context: str, answer: str) -> float:
+    ids = tok.encode(context)
+    full = ids + tok.encode(answer, add_bos=False)
+    r = client.completions.create(model="tiny", prompt=[full], max_tokens=0, echo=True, logprobs=0)
+    return sum(r.choices[0].logprobs.token_logprobs[len(ids):])  # the answer's tokens only
+
+
+for answer in (" loops over a list", " loops over a banana"):
+    print(f"{answer!r:24} log-likelihood {score('The for statement', answer):7.2f}")
+
+# %% [markdown]
 # `python -m minibatch bench-serve` measures any such server the way its users see it: it sends
 # requests through the `openai` client as a Poisson process at each rate (`inf`: all at once), times
 # every streamed chunk, and reports TTFT, TPOT (time per output token after the first), ITL,
@@ -440,6 +491,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 #   may wait for the step in flight.
 # * Over HTTP the engine is an OpenAI-compatible server; `bench-serve` measures any such server
 #   through the client its users have, and TTFT, ITL and goodput are what it reports.
+# * Logprobs are computed on the device in the sampling step and travel back with the tokens; a
+#   prompt's come from its prefill, which is how evaluation harnesses score answers.
 # * A server meets its step shapes as requests arrive: it graphs decode steps only, compiles once for
 #   every batch size, and freezes its heap once warm.
 #
