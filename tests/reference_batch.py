@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from minibatch.core.batch import Batch, input_token
+from minibatch.core.requests import MAX_BANNED
 from minibatch.core.buckets import bucket
 from minibatch.core.kv_cache import PagedKVCache
 from minibatch.core.scheduler import BatchPlan
@@ -23,6 +24,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
     """The batch minibatch.core.batch.build_batch must build (same arguments, same meaning)."""
     ids, pos, qseq, cells, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
+    banned: list[int] = []
     scored, targets = [], []  # prompt logprobs: every prompt position but the last scores the next token
     for i, c in enumerate(plan.chunks):
         r = c.request
@@ -38,6 +40,10 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
             logits_idx.append(len(ids) - 1)
             s = r.params
             samp.append((s.temperature, s.top_k, s.top_p, s.seed, r.num_sampled - 1))
+            held = []  # min_tokens: the end ids, while the token sampled comes before min_tokens
+            if s.eos_token_id is not None and r.num_sampled - 1 < s.min_tokens:
+                held = [s.eos_token_id] if isinstance(s.eos_token_id, int) else sorted(s.eos_token_id)
+            banned.extend(held + [-1] * (MAX_BANNED - len(held)))
 
     ends = [c.end for c in plan.chunks]
     tables = [c.request.blocks for c in plan.chunks]
@@ -45,7 +51,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
     if decode:  # pad rows: a dummy token at position 0 that writes and reads only the scratch cell
         for i in range(len(plan.chunks), bucket(len(plan.chunks), row_buckets)):
             ids.append(0), pos.append(0), qseq.append(i), cells.append(cache.scratch_cell)
-            logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0))
+            logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0)), banned.extend([-1] * MAX_BANNED)
             ends.append(1), tables.append([cache.scratch_cell // cache.block_size])
     kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, (decode_bucket or kv_bucket) if decode else kv_bucket,
                                            decode)
@@ -66,6 +72,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
         score_indices=torch.tensor(scored, dtype=i64), score_targets=torch.tensor(targets, dtype=i64),
+        banned=torch.tensor(banned, dtype=i64), bans=any(b >= 0 for b in banned),
         decode_rows=len(ends) if decode else 0,
         all_greedy=bool(temp) and all(t == 0 for t in temp),
         unfiltered=all(k <= 0 for k in topk) and all(p >= 1.0 for p in topp),

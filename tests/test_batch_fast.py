@@ -17,7 +17,9 @@ workloads = st.fixed_dictionaries({
     "prompts": st.lists(st.integers(1, 40), min_size=1, max_size=10),
     "max_new": st.lists(st.integers(1, 12), min_size=10, max_size=10),
     "temperature": st.lists(st.sampled_from([0.0, 0.7]), min_size=10, max_size=10),
-    "eos": st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+    "eos": st.one_of(st.none(), st.integers(0, VOCAB - 1), st.frozensets(st.integers(0, VOCAB - 1), min_size=1,
+                                                                            max_size=3)),
+    "min_tokens": st.lists(st.integers(0, 12), min_size=10, max_size=10),
     "block_size": st.sampled_from([1, 2, 4, 16]),
     "max_batch_size": st.integers(1, 6),
     "extra_budget": st.integers(0, 40),
@@ -48,6 +50,7 @@ def test_fast_builder_equals_reference(w):
         logprobs, prompt_logprobs = w["logprobs"][i]
         new = 0 if logprobs == "zero" else w["max_new"][i]
         return SamplingParams(w["temperature"][i], seed=i, max_new_tokens=new, eos_token_id=w["eos"],
+                              min_tokens=min(w["min_tokens"][i], new),
                               logprobs=None if logprobs == "zero" else logprobs, prompt_logprobs=prompt_logprobs)
 
     reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], params(i)) for i, n in enumerate(w["prompts"])]

@@ -227,7 +227,8 @@ def test_device_clock_spans_on_gpu():
 def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
     """Both loops, eager and with graphs, with prefill steps and requests arriving mid-run, under
     torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync.
-    With `logprobs`, every request also asks for its tokens' and its prompt's logprobs (sampling.logprobs)."""
+    With `logprobs`, every request also asks for its tokens' and its prompt's logprobs (sampling.logprobs)
+    and holds an end id back for its first eight tokens (min_tokens)."""
     from minibatch.devices.cuda import CudaEvent
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
@@ -245,7 +246,10 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
     for graphs in (True, False):
         with minibatch.Engine(model) as engine:
             for mode in ("sync", "async"):
+                # (with logprobs also min_tokens: an end id held back for eight tokens, sampling.choose)
                 asks = dict(logprobs=logprobs, prompt_logprobs=logprobs)
+                if logprobs:
+                    asks.update(min_tokens=8, eos_token_id=model.vocab_size - 1)
                 kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs, **asks)
                 ref = engine.generate(work, mode=mode, arrival_steps=arrivals, **kw)  # warm-up: captures, loads
                 requests = [Request(i, p, SamplingParams(max_new_tokens=16, **asks), arrival_step=a)

@@ -89,3 +89,30 @@ def test_logprobs_do_not_depend_on_the_batch(tiny):
 def test_bad_logprob_options_are_named(options, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**options)
+
+
+# --- min_tokens: the end-of-sequence ids held back on the device -------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_min_tokens_holds_eos_back_as_hugging_face_does(tiny, mode):
+    """Greedy, the tiny model ends this prompt at once; with min_tokens it may not before that many
+    tokens, and the tokens are Hugging Face generate's with min_new_tokens (its logits processor)."""
+    tok = tiny.tokenizer
+    quick = tok.encode("User: Hello!\nAssistant:")
+    eos = tok.eos_token_id
+    assert minibatch.generate(tiny, [quick], eos_token_id=eos, max_new_tokens=8)[0][-1] == eos  # ends early
+    for min_tokens in (3, 8):
+        got = minibatch.generate(tiny, [quick, quick[:-3]], eos_token_id=eos, max_new_tokens=12, mode=mode,
+                                 min_tokens=min_tokens, max_batch_tokens=8)
+        for prompt, out in zip((quick, quick[:-3]), got):
+            assert eos not in out[:min_tokens] and len(out) > min_tokens - 1
+            ref = tiny.hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=min_tokens,
+                                   do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+            assert out == ref, (min_tokens, out, ref)
+
+
+def test_min_tokens_is_checked():
+    with pytest.raises(ValueError, match="min_tokens must be an integer in"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="at most 8 end-of-sequence ids"):
+        SamplingParams(min_tokens=1, eos_token_id=list(range(9)))

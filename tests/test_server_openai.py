@@ -73,6 +73,10 @@ def test_ignore_eos_and_stop_token_ids(client, tiny, server):
     r = client.completions.create(model="tiny", prompt=quick, max_tokens=20, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    r = client.completions.create(model="tiny", prompt=quick, max_tokens=20, temperature=0,
+                                  extra_body={"min_tokens": 6})  # EOS held back for six tokens
+    assert r.usage.completion_tokens >= 6
+    assert r.choices[0].text == _alone(tiny, quick, max_new_tokens=20, min_tokens=6)
     text = _alone(tiny, PROMPTS[0], max_new_tokens=12)
     second = tiny.tokenizer.encode(text, add_bos=False)[1]
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,

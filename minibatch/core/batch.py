@@ -33,7 +33,7 @@ import torch
 from .buckets import bucket
 from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
-from .requests import Request
+from .requests import MAX_BANNED, Request
 from .scheduler import BatchPlan
 
 
@@ -60,12 +60,14 @@ class Batch:
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
     score_indices: torch.Tensor  # [S] tokens whose logits score the next prompt token (prompt logprobs)
     score_targets: torch.Tensor  # [S] that next prompt token
+    banned: torch.Tensor  # [R * MAX_BANNED] ids row r may not sample (min_tokens), -1 past them: read if `bans`
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
     unfiltered: bool = False  # no row uses top-k or top-p: sampling needs no sort (sampling.py)
     padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
     logprobs: bool = False  # some row wants logprobs, or some token scores the prompt (sampling.logprobs)
+    bans: bool = False  # some row holds its end-of-sequence ids back (min_tokens: sampling.choose)
     # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
     # since it last held them (decode_keys.py); None for other batches and on the device
     key_source: object = field(default=None, repr=False, compare=False)
@@ -99,7 +101,7 @@ class Batch:
 DYNAMIC_ROWS = -1
 
 #: the host-side layout facts that travel with a batch but are not tensors
-LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded", "logprobs")
+LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded", "logprobs", "bans")
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
@@ -140,6 +142,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     temp = [r.params.temperature for r in sampled]
     samp = [[r.params.top_k for r in sampled], [r.params.top_p for r in sampled],
             [r.params.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
+    banned = _banned(sampled)
     rows = bucket(n, row_buckets) if decode else n
     if rows > n:  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
         starts, ends, counts, sample = _pad_rows(rows - n, cache.scratch_cell, tables, ids, temp, samp,
@@ -172,13 +175,27 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         seed=t(np.array(samp[2], np.int64)),
         counter=t(np.array(samp[3], np.int64)),
         score_indices=t(score_indices), score_targets=t(score_targets),
+        banned=t(np.pad(banned, (0, MAX_BANNED * (len(temp) - len(sampled))), constant_values=-1)),
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
         unfiltered=not any(k > 0 for k in samp[0]) and all(p >= 1.0 for p in samp[1]),
         logprobs=bool(plan.scoring) or any(r.params.logprobs is not None for r in sampled),
+        bans=bool((banned >= 0).any()),
         key_source=source,
     )
 
+
+
+def _banned(sampled: list[Request]) -> np.ndarray:
+    """[rows * MAX_BANNED] the end-of-sequence ids each sampled row holds back (min_tokens: while the
+    token it samples, number num_sampled - 1, comes before min_tokens), -1 past them."""
+    out = np.full(len(sampled) * MAX_BANNED, -1, np.int64)
+    for i, r in enumerate(sampled):
+        p = r.params
+        if p.min_tokens > r.num_sampled - 1 and p.eos_token_id is not None:
+            ends = [p.eos_token_id] if isinstance(p.eos_token_id, int) else sorted(p.eos_token_id)
+            out[i * MAX_BANNED:i * MAX_BANNED + len(ends)] = ends
+    return out
 
 
 def _score_rows(scoring: list, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -279,6 +296,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
         counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
+        banned=ext(batch.banned, pr * MAX_BANNED, -1), bans=batch.bans,
         all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
         logprobs=batch.logprobs,
     )

@@ -42,6 +42,7 @@ class SamplingParams:
     one of the `stop` strings. What needs the model (ids inside its vocabulary, a tokenizer for stop
     strings) is checked by `for_model`.
 
+    `min_tokens` holds back the end-of-sequence ids (eos_token_id) until that many tokens are out.
     `logprobs=k` also returns, for every generated token, its log-probability and the k most likely
     tokens of that step with theirs (0: the token's own only; None: nothing); `prompt_logprobs=k`
     the same for every prompt token after the first, from the prefill (it scores the prompt, as
@@ -61,6 +62,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     eos_token_id: int | frozenset[int] | None = None  # one id, or several (Llama-3 lists several)
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # no end-of-sequence token before this many new tokens (its logits are set to -inf)
     logprobs: int | None = None  # top alternatives per generated token (0: its own logprob only)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
@@ -74,6 +76,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 put(self, name, _int(name, getattr(self, name), low=0, high=MAX_LOGPROBS))
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens))
+        ends = 1 if isinstance(self.eos_token_id, int) else len(self.eos_token_id or ())
+        if self.min_tokens and ends > MAX_BANNED:
+            raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
+                             f"{ends} (eos_token_id and stop_token_ids)")
         if self.max_new_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_new_tokens must be an integer >= 1, got 0 (0 only scores a prompt: give "
                              "prompt_logprobs too)")
@@ -98,6 +105,7 @@ class SamplingParams:
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 MAX_LOGPROBS = 20  # alternatives per token the device computes for every row of a step that asks (OpenAI's limit)
+MAX_BANNED = 8  # end-of-sequence ids a row can hold back (min_tokens): a fixed width, as a CUDA graph needs
 
 
 class TokenLogprob(NamedTuple):

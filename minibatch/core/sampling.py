@@ -96,7 +96,13 @@ def sample(
 
 
 def choose(logits: torch.Tensor, batch) -> torch.Tensor:
-    """[R, V] logits of a batch's sampled rows -> [R] token ids, by the fastest path the batch allows."""
+    """[R, V] logits of a batch's sampled rows -> [R] token ids, by the fastest path the batch allows;
+    ids a row holds back (`batch.banned`, min_tokens) cannot come out."""
+    if batch.bans:  # -inf at each held-back id ("amin": a -1 slot, clamped onto id 0, cannot undo a ban of id 0)
+        held = batch.banned.view(logits.shape[0], -1)
+        ban = torch.where(held >= 0, float("-inf"), 0.0)
+        logits = logits.float() + torch.zeros_like(logits, dtype=torch.float32).scatter_reduce_(
+            1, held.clamp(min=0), ban, reduce="amin")
     if batch.all_greedy:  # the host knows: skip the sampled path (a sort over the vocabulary per row)
         return logits.float().argmax(dim=-1)
     return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.counter,

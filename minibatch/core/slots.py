@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
 from .device import Device, resident
-from .requests import MAX_LOGPROBS
+from .requests import MAX_BANNED, MAX_LOGPROBS
 
 FLOAT_FIELDS = ("temperature", "top_p")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
-          "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T"}
+          "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T",
+          "banned": "B"}  # B: MAX_BANNED per sampled row
 #: logprobs, row by row (sampled rows, then scored prompt tokens): the chosen token's and the top K's
 LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
 
@@ -49,7 +50,7 @@ class IOSlot:
 
     def __init__(self, dev: Device, index: int, max_tokens: int, max_keys: int, max_rows: int) -> None:
         self.index = index
-        caps = {"T": max_tokens, "K": max_keys, "R": max_rows}
+        caps = {"T": max_tokens, "K": max_keys, "R": max_rows, "B": max_rows * MAX_BANNED}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
 

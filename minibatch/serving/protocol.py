@@ -8,9 +8,12 @@ request gets one message that names its parameter, in OpenAI's error shape: `{"e
 
 Parameters that change decoding and that the engine honours: `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` (-1 or 0: off), `seed` (choice k of a request
-samples with seed + k), `stop` (a string or a list), `stop_token_ids`, `ignore_eos`, `n` (choices per
-prompt), a completions `prompt` as a list of prompts, `stream`, `stream_options.include_usage`. Fields
-the engine cannot honour (`logprobs`, `tools`, `presence_penalty`, `echo`, ...) are accepted only at
+samples with seed + k), `stop` (a string or a list), `stop_token_ids`, `ignore_eos`, `min_tokens` (no
+EOS or stop token id before that many tokens), `n` (choices per prompt), a completions `prompt` as a list
+of prompts, `stream`, `stream_options.include_usage`, `logprobs` (completions: the top k per token; chat:
+`logprobs` and `top_logprobs`), completions' `echo` (with `max_tokens` 0: the prompt scored and nothing
+generated, as lm-eval's loglikelihood tasks ask). Fields the engine cannot honour (`tools`,
+`presence_penalty`, `repetition_penalty`, `logit_bias`, ...) are accepted only at
 their "off" value, so that a client never silently gets something else than it asked for. Fields that
 change nothing here (`user`, `metadata`, ...) and fields this server does not know are accepted and
 ignored, the unknown ones with one warning in the log per name, as vLLM does: tools send extras of
@@ -43,7 +46,7 @@ OFF_VALUES = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+    "functions": (None, []), "response_format": (None, {"type": "text"}),
 }
 PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_STOP = "\nUser:"
@@ -91,6 +94,7 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
     ignore_eos: bool = False  # go on past the end-of-sequence token (benchmarks: every reply max_tokens long)
     stop_token_ids: list[int] | None = None  # more tokens that end a reply, as EOS does (kept in it)
+    min_tokens: int = Field(0, ge=0)  # no EOS (nor a stop token id) before this many new tokens
     # accepted and ignored: they change nothing about the tokens
     user: Any = None
     metadata: Any = None
@@ -108,7 +112,6 @@ class _Body(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     response_format: Any = None
-    min_tokens: Any = None
 
     @field_validator(*OFF_VALUES)
     @classmethod
@@ -148,6 +151,7 @@ class _Body(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=0 if self.top_k in (None, -1) else self.top_k,
                               top_p=self.top_p, seed=seed % SEED_LIMIT, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop),
+                              min_tokens=min(self.min_tokens, max_new_tokens),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
