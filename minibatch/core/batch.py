@@ -142,7 +142,6 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     temp = [r.params.temperature for r in sampled]
     samp = [[r.params.top_k for r in sampled], [r.params.top_p for r in sampled],
             [r.params.seed for r in sampled], [r.num_sampled - 1 for r in sampled]]
-    banned = _banned(sampled)
     rows = bucket(n, row_buckets) if decode else n
     if rows > n:  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
         starts, ends, counts, sample = _pad_rows(rows - n, cache.scratch_cell, tables, ids, temp, samp,
@@ -150,7 +149,6 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     first = np.cumsum(counts) - counts  # index of each chunk's first token
     q_seq = np.repeat(np.arange(rows), counts)
     positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
-    score_indices, score_targets = _score_rows(plan.scoring, first)
     source = None
     if decode:
         (kv_indices, kv_seq, kv_pos), source = decode_keys(cache, ends, tables, decode_bucket or kv_bucket)
@@ -174,42 +172,43 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         top_p=t(np.array(samp[1], np.float32)),
         seed=t(np.array(samp[2], np.int64)),
         counter=t(np.array(samp[3], np.int64)),
-        score_indices=t(score_indices), score_targets=t(score_targets),
-        banned=t(np.pad(banned, (0, MAX_BANNED * (len(temp) - len(sampled))), constant_values=-1)),
+        **_score_rows(plan.scoring, first), **_banned(sampled, rows - n),  # score_*, banned and bans
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
         unfiltered=not any(k > 0 for k in samp[0]) and all(p >= 1.0 for p in samp[1]),
         logprobs=bool(plan.scoring) or any(r.params.logprobs is not None for r in sampled),
-        bans=bool((banned >= 0).any()),
         key_source=source,
     )
 
 
 
-def _banned(sampled: list[Request]) -> np.ndarray:
-    """[rows * MAX_BANNED] the end-of-sequence ids each sampled row holds back (min_tokens: while the
-    token it samples, number num_sampled - 1, comes before min_tokens), -1 past them."""
-    out = np.full(len(sampled) * MAX_BANNED, -1, np.int64)
+def _banned(sampled: list[Request], pad: int) -> dict:
+    """Batch.banned: [rows * MAX_BANNED] the end-of-sequence ids each sampled row holds back (min_tokens:
+    while the token it samples, number num_sampled - 1, comes before min_tokens), -1 past them and in
+    the `pad` padding rows; and Batch.bans, whether any row holds one back."""
+    out = np.full((len(sampled) + pad) * MAX_BANNED, -1, np.int64)
     for i, r in enumerate(sampled):
         p = r.params
         if p.min_tokens > r.num_sampled - 1 and p.eos_token_id is not None:
             ends = [p.eos_token_id] if isinstance(p.eos_token_id, int) else sorted(p.eos_token_id)
             out[i * MAX_BANNED:i * MAX_BANNED + len(ends)] = ends
-    return out
+    return {"banned": torch.from_numpy(out), "bans": bool((out >= 0).any())}
 
 
-def _score_rows(scoring: list, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _score_rows(scoring: list, first: np.ndarray) -> dict:
     """Prompt logprobs: for each scoring chunk (i, chunk), the batch index of every position before
-    the prompt's last, and the prompt token after it, whose logprob that position's logits give."""
+    the prompt's last (Batch.score_indices), and the prompt token after it, whose logprob that
+    position's logits give (score_targets)."""
     if not scoring:
-        return _EMPTY, _EMPTY
+        return {"score_indices": torch.from_numpy(_EMPTY), "score_targets": torch.from_numpy(_EMPTY)}
     idx, tgt = [], []
     for i, c in scoring:
         prompt = c.request.prompt
         hi = min(c.end, len(prompt) - 1)
         idx.append(first[i] + np.arange(hi - c.start))
         tgt.append(np.asarray(prompt[c.start + 1:hi + 1], np.int64))
-    return np.concatenate(idx), np.concatenate(tgt)
+    t = torch.from_numpy
+    return {"score_indices": t(np.concatenate(idx)), "score_targets": t(np.concatenate(tgt))}
 
 
 def _gather(chunks, allocator, decode_layout: bool):

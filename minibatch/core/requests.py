@@ -76,16 +76,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 put(self, name, _int(name, getattr(self, name), low=0, high=MAX_LOGPROBS))
-        put(self, "min_tokens", _int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens))
-        ends = 1 if isinstance(self.eos_token_id, int) else len(self.eos_token_id or ())
-        if self.min_tokens and ends > MAX_BANNED:
-            raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
-                             f"{ends} (eos_token_id and stop_token_ids)")
         if self.max_new_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_new_tokens must be an integer >= 1, got 0 (0 only scores a prompt: give "
                              "prompt_logprobs too)")
         put(self, "eos_token_id", _eos(self.eos_token_id))
         put(self, "stop", _stops(self.stop))
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens))
+        ends = 1 if isinstance(self.eos_token_id, int) else len(self.eos_token_id or ())
+        if self.min_tokens and ends > MAX_BANNED:
+            raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
+                             f"{ends} (eos_token_id and stop_token_ids)")
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some options changed (checked again)."""
