@@ -228,7 +228,7 @@ class Scheduler:
         rows = itertools.repeat(None)
         if logprobs:  # (the prompt's first: a chunk that scores its prompt's end may finish it with its token)
             _prompt_logprobs(plan.scoring, logprobs[1])
-            rows = logprob_rows(sampling, sampled, logprobs[0])
+            rows = _logprob_rows(sampling, sampled, logprobs[0])
         for chunk, token, logprob in zip(sampling, sampled, rows):
             r = chunk.request
             if r.state is finished:
@@ -255,7 +255,7 @@ def _token_logprob(token: int, values, ids, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(values[0]), tuple(zip(ids[:k].tolist(), values[1:k + 1].tolist())))
 
 
-def logprob_rows(sampling: list[ScheduledChunk], sampled: list[int], rows):
+def _logprob_rows(sampling: list[ScheduledChunk], sampled: list[int], rows):
     """The TokenLogprob of each sampled token whose request asked for logprobs (None for the others)."""
     values, ids = rows
     for i, (c, token) in enumerate(zip(sampling, sampled)):

@@ -205,36 +205,6 @@ def _decoder(state: ServerState):
     return tok.decode if tok is not None else (lambda ids: "".join(f"token_id:{i}" for i in ids))
 
 
-def _echo(state: ServerState, p, i: int, s) -> tuple[str, dict | None]:
-    """Choice i's echoed prompt (completions, `echo`): its text, as sent where it was text, and its
-    tokens' logprobs where logprobs were asked for (the first token has none)."""
-    prompt = p.prompts[i // p.n]
-    decode = _decoder(state)
-    text = prompt if isinstance(prompt, str) else decode(s.prompt_ids)
-    shown = p.logprobs is not None
-    return text, replies.completion_logprobs(decode, [s.prompt_ids[0], *s.prompt_logprobs]) if shown else None
-
-
-def _logprobs(state: ServerState, p, tokens: list, offset: int = 0) -> dict | None:
-    """`tokens`' logprobs in the endpoint's shape, or None where the request asked for none."""
-    if p.logprob_counts()[0] is None:
-        return None
-    decode = _decoder(state)
-    return replies.chat_logprobs(decode, tokens) if p.chat else replies.completion_logprobs(decode, tokens, offset)
-
-
-def _choice(state: ServerState, p, i: int, s) -> tuple:
-    """A whole answer's choice i: (text, finish reason, logprobs)."""
-    text, finish = s.text or "", replies.FINISH.get(s.finish_reason, s.finish_reason)
-    if p.chat or not p.echo:
-        return text, finish, _logprobs(state, p, s.logprobs)
-    echoed, lp = _echo(state, p, i, s)
-    if lp is not None:
-        after = _logprobs(state, p, s.logprobs, len(echoed))
-        lp = {k: lp[k] + after[k] for k in lp}
-    return echoed + text, finish, lp
-
-
 async def _sse(state: ServerState, request, streams, prompt_tokens: int, p: CompletionRequest | ChatRequest):
     rid, name = replies.new_id(p.chat), state.name
     watcher = asyncio.ensure_future(_watch_disconnect(state, request, streams))
@@ -251,13 +221,13 @@ async def _sse(state: ServerState, request, streams, prompt_tokens: int, p: Comp
             if offsets[i] is None:
                 offsets[i] = 0
                 if not p.chat and p.echo:  # the prompt first: its logprobs are complete with its first chunk
-                    text, lp = _echo(state, p, i, streams[i])
+                    text, lp = replies.echo(_decoder(state), p, i, streams[i])
                     offsets[i] = len(text)
                     yield _frame(replies.chunk(rid, name, False, text, None, i, lp))
             n += len(c.token_ids)
             finish = replies.FINISH.get(c.finish_reason) if c.finish_reason else None
             if c.token_ids or c.text or finish:
-                lp = _logprobs(state, p, list(c.logprobs), offsets[i])
+                lp = replies.logprobs(_decoder(state), p, list(c.logprobs), offsets[i])
                 offsets[i] += sum(len(t) for t in lp["tokens"]) if lp and not p.chat else 0
                 yield _frame(replies.chunk(rid, name, p.chat, c.text, finish, i, lp))
         if failed is not None:
@@ -376,5 +346,5 @@ async def handle(state: ServerState, request, chat: bool):
         for s in streams:
             state.close(s)
     use = replies.usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
-    choices = [_choice(state, p, i, s) for i, s in enumerate(streams)]
+    choices = [replies.choice(_decoder(state), p, i, s) for i, s in enumerate(streams)]
     return JSONResponse(replies.response(replies.new_id(chat), state.name, chat, choices, use))

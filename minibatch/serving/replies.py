@@ -58,6 +58,34 @@ def chat_logprobs(decode, tokens: list) -> dict:
                         for t in tokens], "refusal": None}
 
 
+def echo(decode, p, i: int, s) -> tuple[str, dict | None]:
+    """Choice i's echoed prompt (completions, `echo`; `s` its TokenStream): its text, as sent where it
+    was text, and its tokens' logprobs where logprobs were asked for (the first token has none)."""
+    prompt = p.prompts[i // p.n]
+    text = prompt if isinstance(prompt, str) else decode(s.prompt_ids)
+    shown = p.logprobs is not None
+    return text, completion_logprobs(decode, [s.prompt_ids[0], *s.prompt_logprobs]) if shown else None
+
+
+def logprobs(decode, p, tokens: list, offset: int = 0) -> dict | None:
+    """`tokens`' logprobs in request `p`'s endpoint's shape, or None where it asked for none."""
+    if p.logprob_counts()[0] is None:
+        return None
+    return chat_logprobs(decode, tokens) if p.chat else completion_logprobs(decode, tokens, offset)
+
+
+def choice(decode, p, i: int, s) -> tuple:
+    """A whole answer's choice i (`s` its TokenStream): (text, finish reason, logprobs), for `response`."""
+    text, finish = s.text or "", FINISH.get(s.finish_reason, s.finish_reason)
+    if p.chat or not p.echo:
+        return text, finish, logprobs(decode, p, s.logprobs)
+    echoed, lp = echo(decode, p, i, s)
+    if lp is not None:
+        after = logprobs(decode, p, s.logprobs, len(echoed))
+        lp = {k: lp[k] + after[k] for k in lp}
+    return echoed + text, finish, lp
+
+
 def response(rid: str, model: str, chat: bool, choices: list[tuple], use: dict) -> dict:
     """The whole answer of a request that did not stream: `choices` is (text, finish reason, logprobs or
     None) per choice."""
