@@ -72,7 +72,9 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         seed=torch.tensor(seed, dtype=i64),
         counter=torch.tensor(counter, dtype=i64),
         score_indices=torch.tensor(scored, dtype=i64), score_targets=torch.tensor(targets, dtype=i64),
-        banned=torch.tensor(banned, dtype=i64), bans=any(b >= 0 for b in banned),
+        # (a step in which no row holds an id back sends none: an empty tensor)
+        banned=torch.tensor(banned if any(b >= 0 for b in banned) else [], dtype=i64),
+        bans=any(b >= 0 for b in banned),
         decode_rows=len(ends) if decode else 0,
         all_greedy=bool(temp) and all(t == 0 for t in temp),
         unfiltered=all(k <= 0 for k in topk) and all(p >= 1.0 for p in topp),

@@ -60,7 +60,7 @@ class Batch:
     counter: torch.Tensor  # [R] index of the token being sampled within its request (RNG counter)
     score_indices: torch.Tensor  # [S] tokens whose logits score the next prompt token (prompt logprobs)
     score_targets: torch.Tensor  # [S] that next prompt token
-    banned: torch.Tensor  # [R * MAX_BANNED] ids row r may not sample (min_tokens), -1 past them: read if `bans`
+    banned: torch.Tensor  # [R * MAX_BANNED] ids row r may not sample (min_tokens), -1 past them; empty unless `bans`
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
@@ -185,14 +185,17 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
 def _banned(sampled: list[Request], pad: int) -> dict:
     """Batch.banned: [rows * MAX_BANNED] the end-of-sequence ids each sampled row holds back (min_tokens:
     while the token it samples, number num_sampled - 1, comes before min_tokens), -1 past them and in
-    the `pad` padding rows; and Batch.bans, whether any row holds one back."""
+    the `pad` padding rows; and Batch.bans, whether any row holds one back. A step where none does
+    sends nothing (an empty tensor): no copy to the device for the steps that never use it."""
+    held = [(i, r.params.eos_token_id) for i, r in enumerate(sampled)
+            if r.params.min_tokens > r.num_sampled - 1 and r.params.eos_token_id is not None]
+    if not held:
+        return {"banned": torch.from_numpy(_EMPTY), "bans": False}
     out = np.full((len(sampled) + pad) * MAX_BANNED, -1, np.int64)
-    for i, r in enumerate(sampled):
-        p = r.params
-        if p.min_tokens > r.num_sampled - 1 and p.eos_token_id is not None:
-            ends = [p.eos_token_id] if isinstance(p.eos_token_id, int) else sorted(p.eos_token_id)
-            out[i * MAX_BANNED:i * MAX_BANNED + len(ends)] = ends
-    return {"banned": torch.from_numpy(out), "bans": bool((out >= 0).any())}
+    for i, eos in held:
+        ends = [eos] if isinstance(eos, int) else sorted(eos)
+        out[i * MAX_BANNED:i * MAX_BANNED + len(ends)] = ends
+    return {"banned": torch.from_numpy(out), "bans": True}
 
 
 def _score_rows(scoring: list, first: np.ndarray) -> dict:
@@ -295,7 +298,7 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
         counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
-        banned=ext(batch.banned, pr * MAX_BANNED, -1), bans=batch.bans,
+        banned=ext(batch.banned, pr * MAX_BANNED if batch.bans else 0, -1), bans=batch.bans,
         all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
         logprobs=batch.logprobs,
     )
