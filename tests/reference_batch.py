@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.core.batch import Batch, input_token
+from minibatch.core.batch import Batch, input_token, needs_placeholder
 from minibatch.core.requests import MAX_BANNED
 from minibatch.core.buckets import bucket
 from minibatch.core.kv_cache import PagedKVCache
@@ -25,6 +25,8 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
     ids, pos, qseq, cells, logits_idx = [], [], [], [], []
     samp: list[tuple] = []
     banned: list[int] = []
+    history: list[tuple[int, int, int]] = []  # penalties: (row, token, 1 if an output token) of every token but the newest
+    penalties: list[float] = []
     scored, targets = [], []  # prompt logprobs: every prompt position but the last scores the next token
     for i, c in enumerate(plan.chunks):
         r = c.request
@@ -44,6 +46,13 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
             if s.eos_token_id is not None and r.num_sampled - 1 < s.min_tokens:
                 held = [s.eos_token_id] if isinstance(s.eos_token_id, int) else sorted(s.eos_token_id)
             banned.extend(held + [-1] * (MAX_BANNED - len(held)))
+            row = len(logits_idx) - 1
+            penalties.extend((s.presence_penalty, s.frequency_penalty, s.repetition_penalty))
+            for p in range(c.end - 1) if s.penalized else ():
+                if p < len(r.prompt) and s.repetition_penalty == 1:
+                    continue  # presence and frequency count only output tokens
+                assert not needs_placeholder(r, p)
+                history.append((row, input_token(r, p), int(p >= len(r.prompt))))
 
     ends = [c.end for c in plan.chunks]
     tables = [c.request.blocks for c in plan.chunks]
@@ -52,6 +61,7 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         for i in range(len(plan.chunks), bucket(len(plan.chunks), row_buckets)):
             ids.append(0), pos.append(0), qseq.append(i), cells.append(cache.scratch_cell)
             logits_idx.append(i), samp.append((0.0, 0, 1.0, 0, 0)), banned.extend([-1] * MAX_BANNED)
+            penalties.extend((0.0, 0.0, 1.0))
             ends.append(1), tables.append([cache.scratch_cell // cache.block_size])
     kv_indices, kv_seq, kv_pos = _key_list(ends, tables, cache, (decode_bucket or kv_bucket) if decode else kv_bucket,
                                            decode)
@@ -75,11 +85,20 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         # (a step in which no row holds an id back sends none: an empty tensor)
         banned=torch.tensor(banned if any(b >= 0 for b in banned) else [], dtype=i64),
         bans=any(b >= 0 for b in banned),
+        **_penalty_fields(history, penalties, any(c.sample and c.request.params.penalized for c in plan.chunks)),
         decode_rows=len(ends) if decode else 0,
         all_greedy=bool(temp) and all(t == 0 for t in temp),
         unfiltered=all(k <= 0 for k in topk) and all(p >= 1.0 for p in topp),
         logprobs=bool(scored) or any(c.request.params.logprobs is not None for c in plan.chunks if c.sample),
     )
+
+
+def _penalty_fields(history: list[tuple[int, int, int]], penalties: list[float], penalized: bool) -> dict:
+    i64 = torch.int64
+    rows, ids, output = zip(*history) if history else ((), (), ())
+    return {"history_rows": torch.tensor(rows, dtype=i64), "history_ids": torch.tensor(ids, dtype=i64),
+            "history_output": torch.tensor(output, dtype=i64),
+            "penalties": torch.tensor(penalties if penalized else [], dtype=torch.float32), "penalized": penalized}
 
 
 def _key_list(ends: list[int], tables: list[list[int]], cache: PagedKVCache, kv_bucket: int, decode: bool):

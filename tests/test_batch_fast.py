@@ -28,6 +28,9 @@ workloads = st.fixed_dictionaries({
     "rows": st.sampled_from([(), ROW_BUCKETS]),
     "in_flight": st.booleans(),
     # per request: no logprobs, logprobs of its tokens, of its prompt, or a prompt scored with nothing generated
+    # per request: penalties off, or (presence, frequency, repetition) on
+    "penalties": st.lists(st.sampled_from([(0.0, 0.0, 1.0), (0.5, 0.0, 1.0), (0.0, -0.3, 1.2), (0.0, 0.0, 1.5)]),
+                          min_size=10, max_size=10),
     "logprobs": st.lists(st.sampled_from([(None, None), (2, None), (None, 1), (0, 3), ("zero", 0)]),
                          min_size=10, max_size=10),
 })
@@ -51,7 +54,9 @@ def test_fast_builder_equals_reference(w):
         new = 0 if logprobs == "zero" else w["max_new"][i]
         return SamplingParams(w["temperature"][i], seed=i, max_new_tokens=new, eos_token_id=w["eos"],
                               min_tokens=min(w["min_tokens"][i], new),
-                              logprobs=None if logprobs == "zero" else logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=None if logprobs == "zero" else logprobs, prompt_logprobs=prompt_logprobs,
+                              **dict(zip(("presence_penalty", "frequency_penalty", "repetition_penalty"),
+                                         w["penalties"][i])))
 
     reqs = [Request(i, [(i + j) % VOCAB for j in range(n)], params(i)) for i, n in enumerate(w["prompts"])]
     cache = PagedKVCache(1, 1, 1, sum(-(-r.max_len // bs) for r in reqs), bs)

@@ -223,12 +223,13 @@ def test_device_clock_spans_on_gpu():
     assert {"CPU", "H2D", "compute", "D2H"} <= lanes and 0 < tl.device_busy() <= 1
 
 
-@pytest.mark.parametrize("logprobs", [None, 5])
-def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
+@pytest.mark.parametrize("extras", [None, "logprobs", "penalties"])
+def test_the_loops_make_no_implicit_host_sync(monkeypatch, extras):
     """Both loops, eager and with graphs, with prefill steps and requests arriving mid-run, under
     torch.cuda.set_sync_debug_mode("error"): only the loop's one intended wait (d2h_done) may sync.
-    With `logprobs`, every request also asks for its tokens' and its prompt's logprobs (sampling.logprobs)
-    and holds an end id back for its first eight tokens (min_tokens)."""
+    With "logprobs", every request also asks for its tokens' and its prompt's logprobs (sampling.logprobs)
+    and holds an end id back for its first eight tokens (min_tokens); with "penalties", every other
+    request has all three penalties on (penalties.py) and sync and async agree."""
     from minibatch.devices.cuda import CudaEvent
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
@@ -243,18 +244,28 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
+    logprobs = 5 if extras == "logprobs" else None
+    asks = dict(logprobs=logprobs, prompt_logprobs=logprobs)
+    if logprobs:  # (with logprobs also min_tokens: an end id held back for eight tokens, sampling.choose)
+        asks.update(min_tokens=8, eos_token_id=model.vocab_size - 1)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=16, **asks, **(penalties if extras == "penalties" and i % 2 else {}))
+
+    outputs = {}
     for graphs in (True, False):
         with minibatch.Engine(model) as engine:
             for mode in ("sync", "async"):
-                # (with logprobs also min_tokens: an end id held back for eight tokens, sampling.choose)
-                asks = dict(logprobs=logprobs, prompt_logprobs=logprobs)
-                if logprobs:
-                    asks.update(min_tokens=8, eos_token_id=model.vocab_size - 1)
-                kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs, **asks)
-                ref = engine.generate(work, mode=mode, arrival_steps=arrivals, **kw)  # warm-up: captures, loads
-                requests = [Request(i, p, SamplingParams(max_new_tokens=16, **asks), arrival_step=a)
-                            for i, (p, a) in enumerate(zip(work, arrivals))]
-                engine.start(requests, mode, max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
+                kw = dict(max_batch_size=4, max_batch_tokens=32, cuda_graphs=graphs)
+                warm = [Request(i, p, params(i), arrival_step=a) for i, (p, a) in enumerate(zip(work, arrivals))]
+                engine.start(warm, mode, **kw)  # warm-up: captures, loads
+                while engine.has_work():
+                    engine.step()
+                engine.finish()
+                ref = [r.output for r in warm]
+                requests = [Request(i, p, params(i), arrival_step=a) for i, (p, a) in enumerate(zip(work, arrivals))]
+                engine.start(requests, mode, **kw)
                 monkeypatch.setattr(CudaEvent, "synchronize", intended_wait)
                 torch.cuda.set_sync_debug_mode("error")
                 try:
@@ -265,9 +276,12 @@ def test_the_loops_make_no_implicit_host_sync(monkeypatch, logprobs):
                     monkeypatch.undo()
                 engine.finish()
                 assert [r.output for r in requests] == ref
+                outputs[graphs, mode] = ref
                 if logprobs:
                     assert all(len(r.logprobs) == len(r.output) and len(r.prompt_logprobs) == len(r.prompt) - 1
                                for r in requests)
+    if extras == "penalties":  # float32: the loops and graphs agree token for token
+        assert outputs[True, "sync"] == outputs[True, "async"] == outputs[False, "sync"] == outputs[False, "async"]
 
 
 def test_logprobs_on_the_gpu_match_the_model_with_graphs():

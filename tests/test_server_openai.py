@@ -1,6 +1,6 @@
 """What the tools people point at a server send, through a real server process and the real `openai`
 client: prompt lists and `n` (LangChain's and lm-eval's batches), extras (guidellm's `ignore_eos`,
-`stop_token_ids`), unknown fields, and the routes beside the OpenAI ones (/tokenize, /detokenize,
+`stop_token_ids`), penalties, unknown fields, and the routes beside the OpenAI ones (/tokenize, /detokenize,
 /v1/models/{id}, /version, /metrics).
 """
 
@@ -82,6 +82,19 @@ def test_ignore_eos_and_stop_token_ids(client, tiny, server):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                   extra_body={"stop_token_ids": [second]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
+
+
+def test_penalties_as_openai_and_vllm_send_them(client, tiny):
+    for prompt, extras in (("Exceptions", {"presence_penalty": 1.5, "frequency_penalty": -0.3}),
+                           ("A class definition in Python", {"frequency_penalty": 1.5}),
+                           ("The for statement", {"extra_body": {"repetition_penalty": 1.3}})):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, **extras)
+        options = extras.get("extra_body", extras)
+        assert r.choices[0].text == _alone(tiny, prompt, max_new_tokens=16, **options), extras
+        assert r.choices[0].text != _alone(tiny, prompt, max_new_tokens=16)  # (they change these tokens)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Lists hold"}],
+                                       max_tokens=8, temperature=0, presence_penalty=0.5)
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_unknown_fields_are_ignored_with_one_warning(client, server):

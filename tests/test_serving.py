@@ -286,8 +286,10 @@ BAD = [  # (endpoint, body, the param the error names)
     ("c", {"prompt": "hi", "seed": -1}, "seed"), ("c", {"prompt": "hi", "stop": 5}, "stop"),
     ("c", {"prompt": "hi", "stop": [""]}, "stop"), ("c", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("c", {"prompt": "hi", "n": 17}, "n"), ("c", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("c", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"), ("c", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
+    ("c", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"), ("c", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
     ("c", {"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ("c", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("c", {"prompt": "hi", "frequency_penalty": "0.5"}, "frequency_penalty"),
     ("h", {}, "messages"), ("h", {"messages": []}, "messages"),
     ("h", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("h", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
@@ -297,7 +299,7 @@ BAD = [  # (endpoint, body, the param the error names)
 
 
 def test_bad_requests_get_400_with_an_openai_error_and_the_server_goes_on(server, client):
-    assert len(BAD) == 33
+    assert len(BAD) == 35
     for endpoint, body, param in BAD:
         path = "/v1/completions" if endpoint == "c" else "/v1/chat/completions"
         data = body if isinstance(body, str) else json.dumps(body).replace('"NaN"', "NaN")

@@ -14,6 +14,7 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     batch.py        a plan flattened into the step's host tensors                                 01
     decode_keys.py  the key list of decode rows, kept from step to step                           01
     sampling.py     greedy, temperature, top-k, top-p, seeded per request                         01
+    penalties.py    presence, frequency and repetition penalties from each row's history          08
     sync_loop.py    one step of the synchronous loop: prepare, launch, wait, update               01
     timeline.py     Timeline: what ran when, on which lane; busy fractions and pictures           01
     device.py       the device interface: streams, events, copies, errors; what stays resident;   02

@@ -33,6 +33,7 @@ import torch
 from .buckets import bucket
 from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
+from .penalties import history, pad_rows
 from .requests import MAX_BANNED, Request
 from .scheduler import BatchPlan
 
@@ -61,6 +62,10 @@ class Batch:
     score_indices: torch.Tensor  # [S] tokens whose logits score the next prompt token (prompt logprobs)
     score_targets: torch.Tensor  # [S] that next prompt token
     banned: torch.Tensor  # [R * MAX_BANNED] ids row r may not sample (min_tokens), -1 past them; empty unless `bans`
+    history_rows: torch.Tensor  # [H] the penalized rows' earlier tokens (penalties.py): which row,
+    history_ids: torch.Tensor  # [H] which token,
+    history_output: torch.Tensor  # [H] 1 if an output token, 0 if the prompt's; all three empty unless `penalized`
+    penalties: torch.Tensor  # [R * 3] float32 presence, frequency, repetition per row; empty unless `penalized`
     # not tensors: the layout, known on the host when the step is launched
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
@@ -68,6 +73,7 @@ class Batch:
     padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
     logprobs: bool = False  # some row wants logprobs, or some token scores the prompt (sampling.logprobs)
     bans: bool = False  # some row holds its end-of-sequence ids back (min_tokens: sampling.choose)
+    penalized: bool = False  # some row has a penalty on (penalties.py): an eager step, never a graph
     # host only: where the decode layout's keys came from, so an IO slot can copy just what changed
     # since it last held them (decode_keys.py); None for other batches and on the device
     key_source: object = field(default=None, repr=False, compare=False)
@@ -101,7 +107,7 @@ class Batch:
 DYNAMIC_ROWS = -1
 
 #: the host-side layout facts that travel with a batch but are not tensors
-LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded", "logprobs", "bans")
+LAYOUT_FIELDS = ("decode_rows", "all_greedy", "unfiltered", "padded", "logprobs", "bans", "penalized")
 TENSOR_FIELDS = tuple(f.name for f in fields(Batch) if f.name not in LAYOUT_FIELDS + ("key_source",))
 
 
@@ -146,7 +152,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
     if rows > n:  # decode padding rows: a dummy token at position 0 that writes and reads only the scratch cell
         starts, ends, counts, sample = _pad_rows(rows - n, cache.scratch_cell, tables, ids, temp, samp,
                                                  starts, ends, counts, sample)
-    first = np.cumsum(counts) - counts  # index of each chunk's first token
+    first = np.cumsum(counts) - counts  # index of each chunk's first token (padding rows come last)
     q_seq = np.repeat(np.arange(rows), counts)
     positions = np.arange(len(q_seq)) + np.repeat(starts - first, counts)
     source = None
@@ -173,6 +179,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         seed=t(np.array(samp[2], np.int64)),
         counter=t(np.array(samp[3], np.int64)),
         **_score_rows(plan.scoring, first), **_banned(sampled, rows - n),  # score_*, banned and bans
+        **history(sampled, ends[sample][:len(sampled)].tolist(), rows - n),  # history_*, penalties, penalized
         decode_rows=rows if decode else 0,
         all_greedy=bool(temp) and not any(temp),
         unfiltered=not any(k > 0 for k in samp[0]) and all(p >= 1.0 for p in samp[1]),
@@ -299,6 +306,8 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
         counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
         banned=ext(batch.banned, pr * MAX_BANNED if batch.bans else 0, -1), bans=batch.bans,
+        history_rows=batch.history_rows, history_ids=batch.history_ids, history_output=batch.history_output,
+        penalties=pad_rows(batch.penalties, pr), penalized=batch.penalized,
         all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
         logprobs=batch.logprobs,
     )

@@ -85,7 +85,8 @@ class StepRunner:
 
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""
-        if not (self.use_graphs and (args.batch.decode_rows or args.batch.padded)):
+        batch = args.batch  # (a penalized step's history has a length of its own every step: eager)
+        if not (self.use_graphs and (batch.decode_rows or batch.padded)) or batch.penalized:
             forward_step(self.model, self.cache, args, self.compiled)
             return
         graph = self.graphs.get(args.key)

@@ -27,7 +27,7 @@ def forward_step(model, cache, args: StepArgs, compiled=None) -> None:
     batch = args.batch
     if batch.logprobs:  # the logits are needed beside the tokens (sampling.logprobs)
         tokens = logprobs(model.logits, batch, cache, args.lp_values, args.lp_ids)
-    elif compiled is not None and batch.decode_rows and not batch.bans:
+    elif compiled is not None and batch.decode_rows and not (batch.bans or batch.penalized):
         tokens = compiled(batch, cache)
     else:
         tokens = model.next_tokens(batch, cache)

@@ -18,8 +18,8 @@ import torch
 
 from .batch import TENSOR_FIELDS
 from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
-from .requests import MAX_BANNED, MAX_LOGPROBS
-from .slots import EXTENT
+from .requests import MAX_LOGPROBS
+from .slots import EXTENT, capacities
 from .device import platform
 from .limits import host_bytes_free
 
@@ -55,7 +55,7 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
     """Bytes a run allocates: KV cache (device), IO slots (host and device), block free list (host)."""
     kv = 2 * model.num_layers * (num_blocks + 1) * block_size * model.num_kv_heads * model.head_dim
     kv *= model.dtype.itemsize
-    caps = {"T": max_tokens, "K": max_keys, "R": rows, "B": rows * MAX_BANNED}
+    caps = capacities(max_tokens, max_keys, rows)
     fields = sum(caps[EXTENT.get(name, "R")] for name in TENSOR_FIELDS)
     logprobs = (rows + max_tokens) * (4 * (1 + MAX_LOGPROBS) + 8 * MAX_LOGPROBS)  # float32 values, int64 ids
     io_host = (8 * (fields + 2 * rows) + logprobs) * num_slots  # every field, carry-over mask, sampled ids

@@ -50,6 +50,12 @@ class SamplingParams:
     on the device in the step that samples, from the model's raw logits (before temperature or
     filters), at most MAX_LOGPROBS alternatives.
 
+    Penalties make repeats less likely (OpenAI's and vLLM's meanings; 0, 0 and 1 are off): each step,
+    a token's logit loses `presence_penalty` once if it is in the output so far, and `frequency_penalty`
+    for every time it is; `repetition_penalty` r divides a positive logit (multiplies a negative one)
+    of every token seen in the prompt or the output (Hugging Face's and vLLM's). They apply before
+    temperature and filters, and not to the logprobs (raw logits, as above). core/penalties.py.
+
     Sampling is seeded per request: the random numbers for a request's k-th generated token depend
     only on (seed, k), never on which other requests share the batch, so a sync run and an async run
     (whose batches differ) give the same tokens.
@@ -65,6 +71,9 @@ class SamplingParams:
     min_tokens: int = 0  # no end-of-sequence token before this many new tokens (its logits are set to -inf)
     logprobs: int | None = None  # top alternatives per generated token (0: its own logprob only)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: a seen token's logit is divided by it (if > 0) or multiplied
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: the checked (normalised) values replace what was given
@@ -79,6 +88,10 @@ class SamplingParams:
         if self.max_new_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_new_tokens must be an integer >= 1, got 0 (0 only scores a prompt: give "
                              "prompt_logprobs too)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, _number(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
+        put(self, "repetition_penalty", _number("repetition_penalty", self.repetition_penalty, "> 0 (1 is off)",
+                                                lambda v: v > 0))
         put(self, "eos_token_id", _eos(self.eos_token_id))
         put(self, "stop", _stops(self.stop))
         put(self, "min_tokens", _int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens))
@@ -86,6 +99,11 @@ class SamplingParams:
         if self.min_tokens and ends > MAX_BANNED:
             raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
                              f"{ends} (eos_token_id and stop_token_ids)")
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the device needs this request's earlier tokens each step it samples."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some options changed (checked again)."""

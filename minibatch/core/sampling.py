@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 
+from .penalties import penalize
 from .requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
@@ -97,7 +98,9 @@ def sample(
 
 def choose(logits: torch.Tensor, batch) -> torch.Tensor:
     """[R, V] logits of a batch's sampled rows -> [R] token ids, by the fastest path the batch allows;
-    ids a row holds back (`batch.banned`, min_tokens) cannot come out."""
+    ids a row holds back (`batch.banned`, min_tokens) cannot come out; penalties change the logits first."""
+    if batch.penalized:
+        logits = penalize(logits, batch)
     if batch.bans:  # -inf at each held-back id ("amin": a -1 slot, clamped onto id 0, cannot undo a ban of id 0)
         held = batch.banned.view(logits.shape[0], -1)
         ban = torch.where(held >= 0, float("-inf"), 0.0)

@@ -30,15 +30,23 @@ from dataclasses import dataclass
 from .batch import TENSOR_FIELDS, Batch
 from .decode_keys import FIELDS as KEY_FIELDS
 from .device import Device, resident
+from .penalties import COLUMNS
 from .requests import MAX_BANNED, MAX_LOGPROBS
 
-FLOAT_FIELDS = ("temperature", "top_p")
+FLOAT_FIELDS = ("temperature", "top_p", "penalties")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
           "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T",
-          "banned": "B"}  # B: MAX_BANNED per sampled row
+          "banned": "B", "history_rows": "K", "history_ids": "K", "history_output": "K", "penalties": "P"}
+# B: MAX_BANNED per sampled row; P: penalties.COLUMNS per sampled row; a penalized row's history is at most
+# the keys its step reads (K)
 #: logprobs, row by row (sampled rows, then scored prompt tokens): the chosen token's and the top K's
 LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
+
+
+def capacities(max_tokens: int, max_keys: int, max_rows: int) -> dict[str, int]:
+    """Entries each EXTENT holds in a slot's buffers."""
+    return {"T": max_tokens, "K": max_keys, "R": max_rows, "B": max_rows * MAX_BANNED, "P": max_rows * COLUMNS}
 
 
 class IOSlot:
@@ -50,7 +58,7 @@ class IOSlot:
 
     def __init__(self, dev: Device, index: int, max_tokens: int, max_keys: int, max_rows: int) -> None:
         self.index = index
-        caps = {"T": max_tokens, "K": max_keys, "R": max_rows, "B": max_rows * MAX_BANNED}
+        caps = capacities(max_tokens, max_keys, max_rows)
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
 

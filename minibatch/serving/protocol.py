@@ -12,8 +12,9 @@ samples with seed + k), `stop` (a string or a list), `stop_token_ids`, `ignore_e
 EOS or stop token id before that many tokens), `n` (choices per prompt), a completions `prompt` as a list
 of prompts, `stream`, `stream_options.include_usage`, `logprobs` (completions: the top k per token; chat:
 `logprobs` and `top_logprobs`), completions' `echo` (with `max_tokens` 0: the prompt scored and nothing
-generated, as lm-eval's loglikelihood tasks ask). Fields the engine cannot honour (`tools`,
-`presence_penalty`, `repetition_penalty`, `logit_bias`, ...) are accepted only at
+generated, as lm-eval's loglikelihood tasks ask), `presence_penalty`, `frequency_penalty` (each in
+[-2, 2]) and `repetition_penalty` (> 0; SamplingParams says what they do). Fields the engine cannot
+honour (`tools`, `logit_bias`, `best_of`, ...) are accepted only at
 their "off" value, so that a client never silently gets something else than it asked for. Fields that
 change nothing here (`user`, `metadata`, ...) and fields this server does not know are accepted and
 ignored, the unknown ones with one warning in the log per name, as vLLM does: tools send extras of
@@ -43,7 +44,6 @@ from ..core.requests import MAX_LOGPROBS, SamplingParams
 
 # accepted only at the value that turns them off: the engine cannot honour anything else
 OFF_VALUES = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "response_format": (None, {"type": "text"}),
@@ -95,6 +95,9 @@ class _Body(BaseModel):
     ignore_eos: bool = False  # go on past the end-of-sequence token (benchmarks: every reply max_tokens long)
     stop_token_ids: list[int] | None = None  # more tokens that end a reply, as EOS does (kept in it)
     min_tokens: int = Field(0, ge=0)  # no EOS (nor a stop token id) before this many new tokens
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)  # None: 0 (off)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)  # None: 1 (off)
     # accepted and ignored: they change nothing about the tokens
     user: Any = None
     metadata: Any = None
@@ -102,9 +105,6 @@ class _Body(BaseModel):
     store: Any = None
     parallel_tool_calls: Any = None
     # accepted at their "off" value only (OFF_VALUES)
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     best_of: Any = None
     suffix: Any = None
     logit_bias: Any = None
@@ -152,7 +152,10 @@ class _Body(BaseModel):
                               top_p=self.top_p, seed=seed % SEED_LIMIT, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, stop=tuple(self.stop) + tuple(extra_stop),
                               min_tokens=min(self.min_tokens, max_new_tokens),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
 
 
 def _is_int(v) -> bool:

@@ -313,6 +313,22 @@ for answer in (" loops over a list", " loops over a banana"):
     print(f"{answer!r:24} log-likelihood {score('The for statement', answer):7.2f}")
 
 # %% [markdown]
+# ### Fewer repeats: penalties
+#
+# Greedy decoding of a small model loops: "of the statement of the sta...". The OpenAI API has two
+# knobs against it: `presence_penalty` lowers the logit of every token already in the output once,
+# `frequency_penalty` once per time it occurs; vLLM adds `repetition_penalty`, which shrinks the logit
+# of every token seen in the prompt or the output. The device keeps no memory between steps, so each
+# step that samples for a penalized request carries that request's earlier tokens, except the newest,
+# which only the device knows yet in the async loop (it reads it from the step's input ids, after
+# carry-over). It counts them with one scatter-add and subtracts (`minibatch/core/penalties.py`):
+
+# %%
+for extra in ({}, {"presence_penalty": 1.0}, {"frequency_penalty": 1.0}):
+    r = client.completions.create(model="tiny", prompt="The for statement", max_tokens=40, temperature=0, **extra)
+    print(f"{str(extra or 'no penalty'):28} {r.choices[0].text!r}")
+
+# %% [markdown]
 # `python -m minibatch bench-serve` measures any such server the way its users see it: it sends
 # requests through the `openai` client as a Poisson process at each rate (`inf`: all at once), times
 # every streamed chunk, and reports TTFT, TPOT (time per output token after the first), ITL,
@@ -492,7 +508,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # * Over HTTP the engine is an OpenAI-compatible server; `bench-serve` measures any such server
 #   through the client its users have, and TTFT, ITL and goodput are what it reports.
 # * Logprobs are computed on the device in the sampling step and travel back with the tokens; a
-#   prompt's come from its prefill, which is how evaluation harnesses score answers.
+#   prompt's come from its prefill, which is how evaluation harnesses score answers. Penalties
+#   carry each request's earlier tokens in the batch; the device adds the newest itself.
 # * A server meets its step shapes as requests arrive: it graphs decode steps only, compiles once for
 #   every batch size, and freezes its heap once warm.
 #
