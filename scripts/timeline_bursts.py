@@ -28,7 +28,7 @@ from minibatch.serving.diagnostics import bursts, window  # noqa: E402
 
 def rows(timeline: Timeline, quiet: float) -> list[dict]:
     """One summary per burst (diagnostics.window), or one over the whole timeline if it has no arrivals."""
-    if timeline.marks:
+    if timeline.arrivals():
         return [{"start_s": a, **window(timeline, a, b)} for a, b in bursts(timeline, quiet)]
     if not timeline.spans:
         return []

@@ -341,8 +341,12 @@ def test_arrivals_are_marked_on_the_timeline(tiny):
         server.submit("x", max_new_tokens=3).wait(30)
         time.sleep(0.02)
         server.submit("y", max_new_tokens=3).wait(30)
-    assert [label for _, label in tl.marks] == ["request 0", "request 1"]
-    assert tl.marks[0][0] < tl.marks[1][0] and minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
+    marks = dict((label, t) for t, label in tl.marks)
+    assert sorted(marks) == ["first 0", "first 1", "request 0", "request 1", "scheduled 0", "scheduled 1"]
+    for rid in (0, 1):  # arrival, then scheduled, then the first token delivered
+        assert marks[f"request {rid}"] <= marks[f"scheduled {rid}"] <= marks[f"first {rid}"]
+    assert marks["first 0"] < marks["request 1"] and tl.arrivals() == [marks["request 0"], marks["request 1"]]
+    assert minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
 
 
 @pytest.mark.cuda

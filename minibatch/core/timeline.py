@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 LANES = ("CPU", "H2D", "compute", "D2H")
+ARRIVAL = "request "  # the label of a request's arrival mark, before its id
 DEVICE_LANES = ("H2D", "compute", "D2H")
 COLORS = {"prepare": "#4C72B0", "update": "#55A868", "H2D": "#C44E52", "compute": "#8172B2",
           "D2H": "#CCB974", "wait": "#BBBBBB", "delay": "#E1812C", "gc": "#000000"}
@@ -71,6 +72,11 @@ class Timeline:
         self.marks.append(((self.now() if at is None else at - self.t0), label))
         if self.limit is not None and len(self.marks) > 2 * self.limit:
             del self.marks[: len(self.marks) - self.limit]
+
+    def arrivals(self, start: float = float("-inf"), end: float = float("inf")) -> list[float]:
+        """Times of the requests' arrivals (marks "request N") between start and end, in order; a serving
+        run also marks when each was scheduled ("scheduled N") and its first token delivered ("first N")."""
+        return sorted(t for t, label in self.marks if start <= t <= end and label.startswith(ARRIVAL))
 
     @contextmanager
     def span(self, lane: str, name: str, step: int = -1, slot: int = -1):
@@ -169,7 +175,7 @@ class Timeline:
                 if s.step >= 0 and visible >= 0.025 * (t_hi - t_lo):
                     ax.text((max(s.start, t_lo) + min(s.end, t_hi)) / 2 - t_lo, row_of[s.lane], str(s.step),
                             ha="center", va="center", fontsize=8, color="white" if s.name != "wait" else "black")
-        arrivals = [t - t_lo for t, _ in self.marks if t_lo <= t <= t_hi]
+        arrivals = [t - t_lo for t in self.arrivals(t_lo, t_hi)]
         if arrivals:  # above the CPU lane: when each request reached the engine
             ax.plot(arrivals, [-0.45] * len(arrivals), "v", color="black", markersize=5, clip_on=False,
                     label="arrival")

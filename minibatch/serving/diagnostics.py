@@ -44,7 +44,7 @@ def bursts(timeline: Timeline, quiet: float = 0.5) -> list[tuple[float, float]]:
     to the end of the last device span after it, where a group ends at a gap of `quiet` seconds
     with no arrival and nothing on any lane (an idle server's warm-up and its loads apart; a long
     host stall, such as a garbage collection, stays inside its burst)."""
-    arrivals = sorted(t for t, _ in timeline.marks)
+    arrivals = timeline.arrivals()
     device = sorted((s.start, s.end) for s in timeline.spans if s.lane in DEVICE_LANES)
     events = [(t, t) for t in arrivals] + [(s.start, s.end) for s in timeline.spans]
     out = []
@@ -62,7 +62,7 @@ def window(timeline: Timeline, start: float, end: float) -> dict:
     steps computed, the device's busy share, the mean wall time per step and compute span, and the
     seconds of full garbage collections (`gc_pauses`) in it."""
     spans = timeline.spans
-    arrivals = sorted(t for t, _ in timeline.marks if start <= t <= end)
+    arrivals = timeline.arrivals(start, end)
     compute = [s for s in spans if s.lane == "compute" and start <= s.start < end]
     device = [(max(s.start, start), min(s.end, end)) for s in spans
               if s.lane in DEVICE_LANES and s.end > start and s.start < end]

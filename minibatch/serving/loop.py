@@ -36,7 +36,7 @@ from collections import deque
 from ..core.checks import check_prompts
 from ..core.config import EngineConfig, serving_config, split_options, with_options
 from ..core.requests import Request, RequestState, SamplingParams
-from ..core.timeline import Timeline
+from ..core.timeline import ARRIVAL, Timeline
 from .stream import Chunk, Detokenizer, TokenStream, Wakeups
 
 TIMELINE_LIMIT = 100_000  # spans a serving run's timeline keeps by default: it may serve for hours
@@ -112,7 +112,7 @@ class ServingLoop:
             request.arrival_step = scheduler.step  # here and now
             scheduler.add(request)
             self.streams[request] = stream
-            timeline.mark(f"request {request.rid}", stream.arrival)
+            timeline.mark(f"{ARRIVAL}{request.rid}", stream.arrival)
         for stream in cancels:
             request = stream._request
             if scheduler.finish(request, "cancelled"):
@@ -134,8 +134,10 @@ class ServingLoop:
             stream = self.streams.get(r)
             if stream is None:
                 continue  # offline, or ended already
-            if stream.first_scheduled is None:
+            if stream.first_scheduled is None:  # its first token: the timeline's marks say where TTFT went
                 stream.first_scheduled = r.scheduled_at
+                self.run.timeline.mark(f"scheduled {r.rid}", r.scheduled_at)
+                self.run.timeline.mark(f"first {r.rid}", now)
             new = r.output[len(stream.token_ids):]
             logprobs = tuple(r.logprobs[len(stream.logprobs):len(r.output)])
             detok = stream._detok

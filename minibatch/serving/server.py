@@ -143,7 +143,7 @@ async def _watch_engine(state: ServerState, every: float = 0.25) -> None:
 def _save_timeline(timeline, path: str) -> None:
     try:
         timeline.save(path)
-        print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.marks)} arrivals to {path}",
+        print(f"minibatch: wrote {len(timeline.spans)} spans and {len(timeline.arrivals())} arrivals to {path}",
               file=sys.stderr, flush=True)
     except OSError as e:  # never in place of the error that may be on its way out
         print(f"minibatch: warning: could not write the timeline to {path}: {e}", file=sys.stderr, flush=True)
