@@ -5,6 +5,8 @@ Per-token Python lists and a padded block-table tensor: easy to read, slow at la
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from minibatch.core.batch import Batch, input_token, needs_placeholder
@@ -76,6 +78,11 @@ def reference_build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int =
         kv_seq=kv_seq,
         kv_pos=kv_pos,
         logits_indices=torch.tensor(logits_idx, dtype=i64),
+        # flat layout: where each chunk's tokens and keys start, then where they end
+        chunk_starts=torch.tensor([] if decode else [0] + list(itertools.accumulate(c.num_tokens for c in plan.chunks)),
+                                  dtype=i64),
+        key_starts=torch.tensor([] if decode else [0] + list(itertools.accumulate(c.end for c in plan.chunks)),
+                                dtype=i64),
         temperature=torch.tensor(temp, dtype=torch.float32),
         top_k=torch.tensor(topk, dtype=i64),
         top_p=torch.tensor(topp, dtype=torch.float32),

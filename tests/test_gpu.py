@@ -182,6 +182,38 @@ def test_bf16_sync_and_async_with_graphs_agree():
     assert minibatch.generate(model, work, mode="async", **kw) == minibatch.generate(model, work, mode="sync", **kw)
 
 
+def test_varlen_flat_attention_matches_the_masked_one():
+    """bf16 flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end of
+    a chunked prompt) gives the masked SDPA's logits to bf16 rounding, padded to buckets as well, with no NaN."""
+    from minibatch.core.batch import pad_flat
+    from minibatch.core.graphs import StepRunner
+    from minibatch.core.scheduler import Scheduler
+
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.bfloat16)
+    assert model.flat_attention == "varlen"
+    cache = model.make_cache(64, 16)
+    sched = Scheduler(cache.allocator, 64, 8)
+    for i, n in enumerate([40, 7, 30]):
+        sched.add(Request(i, [(5 * i + j) % 200 + 1 for j in range(n)], SamplingParams(max_new_tokens=8)))
+    runner = StepRunner(model, cache)
+    plan = sched.schedule()  # 40 + 7 + 17 of 30 tokens: a chunked prompt
+    sched.update(plan, model.next_tokens(runner.build(plan).to("cuda"), cache).tolist())
+    mixed = runner.build(sched.schedule())  # two decode rows and the prompt's last 13 tokens
+    assert not mixed.decode_rows and mixed.num_sampled == 3 and mixed.num_tokens == 15
+    padded = pad_flat(mixed, cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, 8, 4096, 8192)
+    assert padded.padded and padded.num_tokens > mixed.num_tokens
+    got = {}
+    for kind in ("sdpa", "varlen"):
+        model.flat_attention = kind
+        got[kind] = model.logits(mixed.to("cuda"), cache).float()
+    got["padded"] = model.logits(padded.to("cuda"), cache).float()[:3]
+    model.flat_attention = "varlen"
+    assert all(torch.isfinite(v).all() for v in got.values())
+    scale = got["sdpa"].abs().max().item()
+    for kind in ("varlen", "padded"):
+        assert (got[kind] - got["sdpa"]).abs().max().item() < 0.05 * scale, kind
+
+
 def test_async_matches_hf_generate_on_gpu():
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     work = prompts(6, model.vocab_size, seed=1)

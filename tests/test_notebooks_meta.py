@@ -21,7 +21,7 @@ CHAPTER = {
     "minibatch.core": 0, "minibatch.core.engine": 0, "minibatch.core.checks": 0, "minibatch.core.memory": 0,
     "minibatch.core.requests": 1, "minibatch.core.kv_cache": 1,
     "minibatch.core.scheduler": 1, "minibatch.core.batch": 1, "minibatch.core.decode_keys": 1,
-    "minibatch.core.sampling": 1, "minibatch.core.penalties": 8, "minibatch.core.sync_loop": 1, "minibatch.core.timeline": 1,
+    "minibatch.core.sampling": 1, "minibatch.core.penalties": 8, "minibatch.core.prefix_cache": 8, "minibatch.core.sync_loop": 1, "minibatch.core.timeline": 1,
     "minibatch.devices": 2, "minibatch.core.device": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_process": 2,
     "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2,
     "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.core.limits": 2,

@@ -10,6 +10,7 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     args.py         integers, numbers and flags checked with errors that name them               00
     requests.py     Request and SamplingParams: a request's life cycle and how to continue it    01
     kv_cache.py     the paged KV cache and its block allocator                                    01
+    prefix_cache.py full prompt blocks kept by content and shared by requests that start alike    08
     scheduler.py    plans each step under a token budget; chunked prefill, mixed batches          01
     batch.py        a plan flattened into the step's host tensors                                 01
     decode_keys.py  the key list of decode rows, kept from step to step                           01

@@ -54,6 +54,8 @@ class Batch:
     kv_seq: torch.Tensor  # [K] chunk index of each cell read
     kv_pos: torch.Tensor  # [K] position of each cell read
     logits_indices: torch.Tensor  # [R] which of the T tokens produce a new token
+    chunk_starts: torch.Tensor  # [C] flat layout: where chunk i's tokens start, then their end (T of them)
+    key_starts: torch.Tensor  # [C] where chunk i's keys start in kv_indices, then their end; both empty in the decode layout
     temperature: torch.Tensor  # [R] float32 sampling parameters, one row per sampled token
     top_k: torch.Tensor  # [R]
     top_p: torch.Tensor  # [R] float32
@@ -173,6 +175,7 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         kv_seq=t(kv_seq),
         kv_pos=t(kv_pos),
         logits_indices=t((first + counts - 1)[sample]),  # the last token of each sampling chunk
+        **_offsets(counts, ends, decode),  # chunk_starts, key_starts
         temperature=t(np.array(temp, np.float32)),
         top_k=t(np.array(samp[0], np.int64)),
         top_p=t(np.array(samp[1], np.float32)),
@@ -187,6 +190,15 @@ def build_batch(plan: BatchPlan, cache: PagedKVCache, kv_bucket: int = 1, decode
         key_source=source,
     )
 
+
+
+def _offsets(counts: np.ndarray, ends: np.ndarray, decode: bool) -> dict:
+    """Batch.chunk_starts and key_starts: where each chunk's tokens and keys start, then where the last ends
+    (the offsets a variable-length attention kernel takes, model/attention.py); empty in the decode layout."""
+    if decode:
+        return {"chunk_starts": torch.from_numpy(_EMPTY), "key_starts": torch.from_numpy(_EMPTY)}
+    return {"chunk_starts": torch.from_numpy(np.append(0, np.cumsum(counts))),
+            "key_starts": torch.from_numpy(np.append(0, np.cumsum(ends)))}
 
 
 def _banned(sampled: list[Request], pad: int) -> dict:
@@ -275,7 +287,8 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
     K, see below), and the sampled rows to `rows`; the batch is returned as it is when a padded size
     would not fit in `max_tokens`, `max_keys` or `rows`. Padding never changes a real token's result:
 
-        padding tokens   id 0 at position 0, chunk -1, K/V written to the scratch cell
+        padding tokens   id 0 at position 0, chunk -1, K/V written to the scratch cell, past the last of
+                         chunk_starts (empty chunks fill it up to rows + 1 offsets)
         padding keys     the scratch cell, chunk -1: only padding tokens see them (and at least one
                          exists, so a padding token's attention row is never empty, which would be NaN)
         padding rows     sample the last token greedily; the host reads only the real rows
@@ -287,6 +300,8 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
     """
     t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
     if batch.decode_rows or r > rows or not t or batch.score_indices.shape[0]:  # (a scoring step: rare, eager)
+        return batch
+    if batch.chunk_starts.shape[0] > rows + 1:  # more chunks than rows (several that do not sample): eager
         return batch
     if not tokens or not keys or t > max(tokens) or k + 1 > max(keys):
         return batch
@@ -303,6 +318,10 @@ def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[in
         cell_mapping=ext(batch.cell_mapping, pt, scratch),
         kv_indices=ext(batch.kv_indices, pk, scratch), kv_seq=ext(batch.kv_seq, pk, -1), kv_pos=ext(batch.kv_pos, pk, 0),
         logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
+        # rows + 1 offsets whatever the chunk count, as a graph needs: empty chunks at the end (padding
+        # tokens and keys lie past the last offset, in no chunk)
+        chunk_starts=ext(batch.chunk_starts, rows + 1 - batch.chunk_starts.shape[0], int(batch.chunk_starts[-1])),
+        key_starts=ext(batch.key_starts, rows + 1 - batch.key_starts.shape[0], int(batch.key_starts[-1])),
         top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
         counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
         banned=ext(batch.banned, pr * MAX_BANNED if batch.bans else 0, -1), bans=batch.bans,

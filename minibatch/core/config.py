@@ -57,6 +57,7 @@ class RunConfig:
     shape: Shape
     timeout: float | None  # every host wait on the device, seconds (None: no limit)
     inject_delays: dict = field(default_factory=dict)  # {"H2D" | "compute" | "D2H": seconds before each step}
+    prefix_caching: bool = True  # requests share the KV blocks of a common prompt start (prefix_cache.py)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class EngineConfig:
     every row count) are CUDA's. `inject_delays` ({"H2D" | "compute" | "D2H": seconds slept on that
     stream before each step}) and `allow_races` (one slot in the async loop) show notebook 04's race.
     `timeout` bounds every host wait on the device (seconds; None or inf: no limit).
+    `prefix_caching`: requests share the KV blocks of a prompt start they have in common (on by
+    default; the tokens are the same either way: core/prefix_cache.py).
     """
 
     mode: str = "sync"
@@ -85,6 +88,7 @@ class EngineConfig:
     inject_delays: Mapping | None = None
     timeout: float | None = 600.0
     allow_races: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: the checked (normalised) values replace what was given
@@ -103,6 +107,7 @@ class EngineConfig:
         if self.num_slots is not None:
             put(self, "num_slots", _int("num_slots", self.num_slots, 1, 2))
         _bool("allow_races", self.allow_races)
+        _bool("prefix_caching", self.prefix_caching)
         if self.mode == "async" and self.num_slots == 1 and not self.allow_races:
             raise ValueError("num_slots=1 in the async loop races: the host writes step N+1's inputs into the only "
                              "IO slot while the device may still read step N's, and tokens come out wrong without "
@@ -174,7 +179,7 @@ def make_config(model, config: EngineConfig, lengths: list[int], max_new_tokens:
                   decode=(model.decode_attention, model.decode_kv_bucket))
     check_memory(model, shape, given_blocks=config.num_blocks is not None, reusable=reusable_bytes)
     return RunConfig(config.mode, config.max_batch_tokens, max_batch_size, shape, config.timeout,
-                     config.inject_delays)
+                     config.inject_delays, config.prefix_caching)
 
 
 def split_options(params, config, options: Mapping[str, Any], where: str) -> tuple[SamplingParams, "EngineConfig"]:

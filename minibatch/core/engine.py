@@ -142,7 +142,8 @@ class Engine:
         timeline = timeline if timeline is not None else Timeline()
         dev.set_timeline(timeline)
         res = self._resources(config.shape)
-        scheduler = Scheduler(res.cache.allocator, config.max_batch_tokens, config.max_batch_size)
+        scheduler = Scheduler(res.cache.allocator, config.max_batch_tokens, config.max_batch_size,
+                              config.prefix_caching)
         for r in requests:
             scheduler.add(r)
         streams = (dev.stream("H2D"), dev.stream("compute"), dev.stream("D2H"))
@@ -160,6 +161,7 @@ class Engine:
         """End the run: wait for the device, check that every KV block came back; its requests, in order."""
         run = self.run
         self.dev.synchronize(run.timeout)
+        run.scheduler.close()  # (the prefix cache's idle blocks back to the allocator)
         cache = self.kept[run.config.shape].cache
         if cache.allocator.num_free != cache.allocator.num_blocks:
             raise RuntimeError(f"KV blocks leaked: {cache.allocator.num_blocks - cache.allocator.num_free} "

@@ -73,10 +73,13 @@ class BlockAllocator:
         self._owned.update(blocks)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int], keep=()) -> None:
+        """Blocks back to the free list, but those in `keep` (a prefix cache's: they stay owned)."""
         self._cell_tables.pop(id(blocks), None)
         self._held.pop(id(blocks), None)
         for b in blocks:
+            if b in keep:
+                continue
             if b not in self._owned:
                 raise RuntimeError(f"KV block {b} freed but not owned (double free?)")
             self._owned.remove(b)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .kv_cache import BlockAllocator
+from .prefix_cache import PrefixCache
 from .requests import Request, RequestState, TokenLogprob
 
 
@@ -69,12 +70,17 @@ class BatchPlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_batch_tokens: int, max_batch_size: int) -> None:
+    """Plans every step (module doc). `prefix_caching`: requests share the KV blocks of a common prompt
+    start (prefix_cache.py); a request then starts its prefill after the shared blocks."""
+
+    def __init__(self, allocator: BlockAllocator, max_batch_tokens: int, max_batch_size: int,
+                 prefix_caching: bool = False) -> None:
         if max_batch_tokens < 1 or max_batch_size < 1:
             raise ValueError(
                 f"max_batch_tokens and max_batch_size must be >= 1, got {max_batch_tokens}, {max_batch_size}"
             )
         self.allocator = allocator
+        self.prefix = PrefixCache(allocator) if prefix_caching else None
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.pending: list[Request] = []  # not arrived yet (arrival_step in the future)
@@ -140,10 +146,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             r = self.waiting[0]
             need = self.allocator.blocks_for(r.max_len)
-            if need > self.allocator.num_free:
-                break  # first come, first served: later requests wait too
+            if self.prefix is not None:
+                got = self.prefix.admit(r, need)
+                if got is None:
+                    break  # first come, first served: later requests wait too
+                r.blocks, r.num_computed = got  # the shared blocks' tokens are computed already
+            elif need > self.allocator.num_free:
+                break
+            else:
+                r.blocks = self.allocator.allocate(need)
             self.waiting.popleft()
-            r.blocks = self.allocator.allocate(need)
             r.state = RequestState.PREFILLING
             r.scheduled_at = time.perf_counter()
             self.running.append(r)
@@ -154,6 +166,8 @@ class Scheduler:
             c = chunks[i]
             r = c.request
             r.num_computed = c.end
+            if self.prefix is not None:
+                self.prefix.kept(r, c.end)
             if r.params.prompt_logprobs is not None:
                 self._score(plan, i, c)
             if c.sample:
@@ -186,7 +200,7 @@ class Scheduler:
         decoding = RequestState.DECODING  # (the cheap test first: this runs over every request every step)
         for r in [r for r in self.running if r.num_sampled >= r.max_new_tokens and r.state is decoding]:
             self.running.remove(r)
-            self.allocator.free(r.blocks)
+            self._free(r)
             self.retiring.append(r)
 
     def finish(self, r: Request, reason: str) -> bool:
@@ -201,7 +215,7 @@ class Scheduler:
             return False
         if r in self.running:
             self.running.remove(r)
-            self.allocator.free(r.blocks)
+            self._free(r)
         elif r in self.retiring:
             self.retiring.remove(r)  # its blocks went back when its last token was planned
         elif r in self.waiting:
@@ -244,10 +258,26 @@ class Scheduler:
             if r in self.retiring:
                 self.retiring.remove(r)  # seat and blocks were given back when it was planned
             else:
-                self.allocator.free(r.blocks)
+                self._free(r)
                 self.running.remove(r)
             self.finished.append(r)
         return done
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks a new request could get now (with prefix caching: the cache's idle ones too)."""
+        return self.allocator.num_free if self.prefix is None else self.prefix.num_free
+
+    def _free(self, r: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.free(r)
+        else:
+            self.allocator.free(r.blocks)
+
+    def close(self) -> None:
+        """The run is over: blocks the prefix cache keeps go back to the allocator."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
 
 def _token_logprob(token: int, values, ids, k: int) -> TokenLogprob:

@@ -37,8 +37,8 @@ FLOAT_FIELDS = ("temperature", "top_p", "penalties")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
           "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T",
-          "banned": "B", "history_rows": "K", "history_ids": "K", "history_output": "K", "penalties": "P"}
-# B: MAX_BANNED per sampled row; P: penalties.COLUMNS per sampled row; a penalized row's history is at most
+          "chunk_starts": "C", "key_starts": "C", "banned": "B", "history_rows": "K", "history_ids": "K", "history_output": "K", "penalties": "P"}
+# C: a chunk per row, and one more offset; B: MAX_BANNED per sampled row; P: penalties.COLUMNS per sampled row; a penalized row's history is at most
 # the keys its step reads (K)
 #: logprobs, row by row (sampled rows, then scored prompt tokens): the chosen token's and the top K's
 LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
@@ -46,7 +46,8 @@ LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
 
 def capacities(max_tokens: int, max_keys: int, max_rows: int) -> dict[str, int]:
     """Entries each EXTENT holds in a slot's buffers."""
-    return {"T": max_tokens, "K": max_keys, "R": max_rows, "B": max_rows * MAX_BANNED, "P": max_rows * COLUMNS}
+    return {"T": max_tokens, "K": max_keys, "R": max_rows, "C": max_rows + 1, "B": max_rows * MAX_BANNED,
+            "P": max_rows * COLUMNS}
 
 
 class IOSlot:

@@ -17,6 +17,14 @@ still works with Hugging Face `generate` (the parity tests rely on this).
 Decode-only steps on a GPU use another key layout, a [rows, L] table (batch.py), and one of the
 decode attentions below, chosen by `Model.decode_attention`: "einsum" (the readable reference),
 "sdpa" (one fused kernel) or "triton" (reads the cache in place: triton_decode.py).
+
+Flat steps (prefill chunks, alone or beside decode rows) take `Model.flat_attention`: "sdpa", the
+readable one above (every query against the step's whole key list, a [T, K] mask keeping it to its
+own request), or on a GPU in half precision "varlen": FlashAttention's variable-length kernel, each
+chunk against its own keys only (the batch's chunk_starts and key_starts are its offsets), causal
+from the bottom right since a chunk's queries are its keys' last ones. The mask's work grows with
+T x K, the step's tokens times all its keys, the kernel's with each chunk's own; and SDPA with a mask
+may plan anew for every new (T, K), which a flat step meets nearly every time (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class PagedMeta:
     cache: PagedKVCache
     batch: Batch
     decode_attention: str = "einsum"  # decode-layout attention: "einsum", "sdpa" or "triton" (triton_decode.py)
+    flat_attention: str = "sdpa"  # other steps: "sdpa" (one mask over all keys) or "varlen" (chunk by chunk)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -86,11 +95,35 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if b.decode_rows:
         decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
         return decode(query, keys, values, meta, window, scaling), None
+    if meta.flat_attention == "varlen":
+        return _varlen_attention(query, keys, values, b, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
         scale=scaling, enable_gqa=query.shape[1] != keys.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], no attention weights
+
+
+def varlen_available() -> bool:
+    """FlashAttention's variable-length forward, as torch ships it (CUDA builds)."""
+    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def _varlen_attention(query, keys, values, b: Batch, window, scaling):
+    """A flat step's attention, each chunk against its own keys: one FlashAttention varlen call.
+
+    The maximum lengths it takes are bounds from the shapes (tokens, keys), the same for every step of a
+    shape, as a CUDA graph needs; the chunks' true lengths come from the offsets. Padding tokens lie in
+    no chunk, so the kernel leaves their rows unwritten: they are zeroed, since a NaN there would
+    reach the scratch cell's keys through the next layer."""
+    q = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    band = {"window_size_left": window - 1, "window_size_right": 0} if window else {}  # (q_pos - k_pos < window)
+    out = torch.ops.aten._flash_attention_forward(
+        q, keys, values, b.chunk_starts.to(torch.int32), b.key_starts.to(torch.int32), q.shape[0], keys.shape[0],
+        0.0, True, False, scale=scaling, **band)[0]
+    if b.padded:
+        out = out.masked_fill((b.q_seq < 0)[:, None, None], 0.0)
+    return out[None]  # [1, T, heads, head_dim]
 
 
 def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):

@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from .attention import ATTN_NAME, PagedMeta
+from .attention import ATTN_NAME, PagedMeta, varlen_available
 from ..core.batch import Batch
 from .checks import check_causal_lm, check_config_size, check_finite, check_load
 from ..core.kv_cache import PagedKVCache
@@ -90,6 +90,12 @@ class Model:
             from . import triton_decode
             fits = self.head_dim & (self.head_dim - 1) == 0  # the kernel tiles head_dim by powers of two
             self.decode_attention = "triton" if triton_decode.available() and fits else "sdpa"
+        # flat steps (prefills, mixed): FlashAttention's varlen kernel where it runs (CUDA, half precision,
+        # head_dim a multiple of 8 up to 256), else SDPA with a mask (attention.py says why)
+        self.flat_attention = "sdpa"
+        if (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) and self.head_dim <= 256
+                and self.head_dim % 8 == 0 and varlen_available()):
+            self.flat_attention = "varlen"
         # transformers builds an attention mask before the layers run; for our attention name it would
         # look for packed sequences in position_ids (a `.all()` in a Python `if`: a host sync on a GPU)
         # and build a [T, T] mask that paged_attention never reads. A mask that is already 4-D is
@@ -136,7 +142,7 @@ class Model:
             attention_mask=self._mask_stand_in,
             logits_to_keep=batch.logits_indices,
             use_cache=False,
-            minibatch=PagedMeta(cache, batch, decode_attention or self.decode_attention),
+            minibatch=PagedMeta(cache, batch, decode_attention or self.decode_attention, self.flat_attention),
         )
         return out.logits[0]
 

@@ -66,17 +66,21 @@ async def _prompt_tokens(client, model: str, prompt, chat: bool) -> int:
     return r.usage.prompt_tokens
 
 
-async def make_prompts(client, model: str, n: int, prompt_len: int, token_prompts: bool, chat: bool,
-                       rng: random.Random) -> list:
-    """n prompts of about prompt_len tokens (exactly, for token-id prompts)."""
-    if token_prompts:
-        return [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(n)]
+async def make_prompts(client, model: str, args, chat: bool) -> list:
+    """args.num_prompts prompts of about args.prompt_len tokens (exactly, for token-id prompts: args.token_prompts),
+    each after the same args.shared_prefix_len tokens (a system prompt every request has in common: what
+    prefix caching saves), drawn with args.seed."""
+    n, prompt_len, shared_len, rng = args.num_prompts, args.prompt_len, args.shared_prefix_len, random.Random(args.seed)
+    if args.token_prompts:
+        shared = [rng.randrange(256) for _ in range(shared_len)]
+        return [shared + [rng.randrange(256) for _ in range(prompt_len)] for _ in range(n)]
     words = list(WORDS[:48])
     one, two, many = [await _prompt_tokens(client, model, t, chat) for t in ("the", "the the", " ".join(words))]
     overhead = 2 * one - two  # what the template (BOS, roles) adds, whatever the words
     per_word = max((many - overhead) / len(words), 1e-3)
     count = max(1, round((prompt_len - overhead) / per_word))
-    return [" ".join(rng.choice(words) for _ in range(count)) for _ in range(n)]
+    shared = [rng.choice(words) for _ in range(round(shared_len / per_word))]
+    return [" ".join(shared + [rng.choice(words) for _ in range(count)]) for _ in range(n)]
 
 
 async def supports_usage(client, model: str, chat: bool) -> bool:
@@ -293,8 +297,7 @@ async def _run(args) -> dict:
         model = args.model or (await client.models.list()).data[0].id
         chat = args.endpoint == "chat"
         usage = await supports_usage(client, model, chat)
-        prompts = await make_prompts(client, model, args.num_prompts, args.prompt_len, args.token_prompts, chat,
-                                     random.Random(args.seed))
+        prompts = await make_prompts(client, model, args, chat)
         if args.warmup:  # untimed, all at once, through the same client path as the measured rates
             s = await run_rate(client, args, model, prompts, math.inf, usage, "warm-up")
             print(f"warm-up: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s (untimed)",
@@ -315,9 +318,9 @@ async def _run(args) -> dict:
                 print(f"  failed: {e}", flush=True)
     finally:
         await client.close()
-    config = {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "burstiness",
-                                            "max_concurrency", "temperature", "seed", "endpoint", "token_prompts",
-                                            "processes", "warmup")}
+    config = {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "shared_prefix_len", "max_tokens",
+                                            "burstiness", "max_concurrency", "temperature", "seed", "endpoint",
+                                            "token_prompts", "processes", "warmup")}
     return {"url": args.url, "model": model, "config": {**config, "slo_ms": args.slo, "usage_streamed": usage},
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates}
 

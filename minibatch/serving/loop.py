@@ -318,7 +318,9 @@ class Serving:
 
     def stats(self) -> dict:
         """The serving run's KV blocks, requests, steps and CUDA graph captures so far (a snapshot, read
-        without stopping the loop). A graph is captured the first time a step shape comes up: captures
+        without stopping the loop). Free KV blocks count the prefix cache's idle ones (`kv_blocks_cached`
+        are all it keeps, held or idle); `prefix_cache_hit_tokens` of `prefix_cache_prompt_tokens` came
+        from it. A graph is captured the first time a step shape comes up: captures
         that keep growing under load are steps that ran slower than a replay would, and
         `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
         compile=True also the torch.compile of a new shape, which happens in the warm-up step).
@@ -329,8 +331,12 @@ class Serving:
             return {"serving": False}
         run = loop.run
         s = run.scheduler
+        prefix = s.prefix
         return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
-                "kv_blocks_free": s.allocator.num_free, "running": len(s.running),
+                "kv_blocks_free": s.num_free_blocks, "running": len(s.running),
+                "kv_blocks_cached": prefix.num_kept if prefix else 0,
+                "prefix_cache_hit_tokens": prefix.hit_tokens if prefix else 0,
+                "prefix_cache_prompt_tokens": prefix.prompt_tokens if prefix else 0,
                 "waiting": len(s.waiting) + len(loop.inbox), "steps": s.step,
                 "graph_captures": len(run.runner.captures),
                 "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),

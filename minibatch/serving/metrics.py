@@ -34,7 +34,11 @@ class Metrics:
         for name, key, doc in (("running", "running", "Requests in the batch"),
                                ("waiting", "waiting", "Requests waiting for a seat"),
                                ("kv_blocks_used", None, "KV cache blocks held by requests"),
-                               ("kv_blocks", "kv_blocks", "KV cache blocks in all")):
+                               ("kv_blocks", "kv_blocks", "KV cache blocks in all"),
+                               ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+                                "Prompt tokens whose KV came from the prefix cache, not computed (in all)"),
+                               ("prefix_cache_prompt_tokens", "prefix_cache_prompt_tokens",
+                                "Prompt tokens of the requests admitted (in all)")):
             gauge = Gauge(f"minibatch_{name}", doc, registry=r)
             gauge.set_function(lambda key=key: _read(stats(), key))
 

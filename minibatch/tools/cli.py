@@ -167,9 +167,9 @@ def bench_cmd(args) -> None:
     workload = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                     max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                     cuda_graphs=args.cuda_graphs, decode_attention=model.decode_attention,
-                    decode_kv_bucket=model.decode_kv_bucket)
-    kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-              progress=not args.no_progress, cuda_graphs=_GRAPHS[args.cuda_graphs])
+                    decode_kv_bucket=model.decode_kv_bucket, prefix_caching=args.prefix_caching)
+    kw = dict(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, progress=not args.no_progress,
+              cuda_graphs=_GRAPHS[args.cuda_graphs], prefix_caching=args.prefix_caching == "on")
     if args.arrivals:  # prompt i reaches the server at step i * arrivals / n: prefill steps all along the run
         kw["arrival_steps"] = [i * args.arrivals // len(prompts) for i in range(len(prompts))]
         workload["arrivals"] = args.arrivals
@@ -279,6 +279,8 @@ def _add_bench(sub) -> None:
                    help="an untimed run of each mode first (and of each transformers mode, with --hf)")
     b.add_argument("--cuda-graphs", choices=list(_GRAPHS), default="auto",
                    help="replay steps as CUDA graphs (auto: on for CUDA; decode: decode steps only)")
+    b.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                   help="prompts that start alike share the KV blocks of that start (random prompts rarely do)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--hf", type=_hf_modes, nargs="?", const=["default"], default=None, metavar="MODES",
                    help="also run transformers' generate_batch, each mode in a process of its own: --hf (its "

@@ -52,7 +52,8 @@ def serve_cmd(args) -> None:
         code = serve(model, args.served_model_name or args.model, options, sock, mode=args.mode,
                      max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                      block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
-                     compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs])
+                     compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
+                     prefix_caching=args.prefix_caching == "on")
     finally:  # (after a bad option: the port is free again for the next try)
         sock.close()
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
@@ -95,6 +96,8 @@ def add_serving(sub) -> None:
     s.add_argument("--switch-interval-ms", type=_float(0.0, low_open=True), default=None,
                    help="how long a Python thread may hold the GIL while another waits for it (Python's "
                         "default: 5 ms); the HTTP event loop and the engine's loop share one interpreter")
+    s.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                   help="requests whose prompts start alike share the KV blocks of that start (the same tokens either way)")
     s.add_argument("--gc-freeze", choices=["on", "off"], default="on",
                    help="once warm, keep the objects alive then (modules, model, compiled code) out of Python's full "
                         "garbage collections, each of which would stop every request while it walks them all")
@@ -136,6 +139,9 @@ def _add_bench_serve(sub) -> None:
     b.add_argument("--rates", type=_rates, required=True, help="requests per second, comma-separated; inf: all at once")
     b.add_argument("--num-prompts", type=_int(1), required=True)
     b.add_argument("--prompt-len", type=_int(1), default=128)
+    b.add_argument("--shared-prefix-len", type=_int(0), default=0, metavar="TOKENS",
+                   help="every prompt starts with the same this many tokens (a shared system prompt), then its "
+                        "own --prompt-len")
     b.add_argument("--max-tokens", type=_int(1), required=True)
     b.add_argument("--burstiness", type=_float(0.0, low_open=True), default=1.0,
                    help="gamma shape of the gaps: 1 is Poisson, lower is burstier")

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minibatch
+from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.timeline import Timeline
 from minibatch.serving.diagnostics import bursts, window
 from minibatch.serving.loop import Serving
@@ -497,6 +498,66 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # CPU one full pass then takes 29.8 <!-- from figures/data/headline.json: serving_gc.cpu_frozen_collect_ms --> ms instead of 365 <!-- from figures/data/headline.json: serving_gc.cpu_full_collect_ms --> ms. Latency has sources below
 # your own code: measure them too.
 #
+# ## 7. Prompts that start alike: prefix caching
+#
+# Real traffic repeats itself at the start: every request of a chat application begins with the same
+# system prompt, an evaluation asks one question with each of its answers. A token's keys and values
+# depend only on the tokens up to it, so those starts have the same KV in every request. The engine
+# keeps every full KV block of a prompt under a key made of its tokens and of the blocks before it;
+# a later request whose prompt starts with the same blocks takes them instead of computing them
+# (`minibatch/core/prefix_cache.py`, on by default). Blocks are counted: one that a running request
+# holds is never handed to another, and one nobody holds stays cached until the free list runs dry.
+# Three questions behind one system prompt, arriving a few steps apart:
+
+# %%
+system = tok.encode("You are a helpful assistant who answers questions about the Python language. ")
+questions = ["The for statement", "A class definition", "Exceptions are raised"]
+
+
+def ask(prefix_caching: bool):
+    requests = [Request(i, system + tok.encode(q, add_bos=False), SamplingParams(max_new_tokens=8),
+                        arrival_step=3 * i) for i, q in enumerate(questions)]
+    tables, computed = {}, 0
+    with minibatch.Engine(model) as engine:
+        run = engine.start(requests, "async", block_size=16, prefix_caching=prefix_caching)
+        while engine.has_work():
+            engine.step()
+            computed += sum(c.num_tokens for c in run.applied.chunks) if run.applied is not None else 0
+            for r in requests:
+                if r.blocks and r.rid not in tables:
+                    tables[r.rid] = list(r.blocks)
+        engine.finish()
+    return requests, tables, computed
+
+
+shared_run, tables, computed = ask(True)
+plain_run, _, computed_plain = ask(False)
+print("same tokens as without the cache:", [r.output for r in shared_run] == [r.output for r in plain_run])
+print(f"tokens computed: {computed} with the cache, {computed_plain} without; system prompt: {len(system)} tokens")
+
+fig, ax = plt.subplots(figsize=(8, 1.9))
+counts = {}
+for blocks in tables.values():
+    for b in blocks:
+        counts[b] = counts.get(b, 0) + 1
+for row, (rid, blocks) in enumerate(sorted(tables.items())):
+    for i, b in enumerate(blocks):
+        ax.add_patch(plt.Rectangle((i, -row - 0.4), 0.9, 0.8, color="#55A868" if counts[b] > 1 else "#BBBBBB"))
+        ax.text(i + 0.45, -row, f"b{b}", ha="center", va="center", fontsize=8)
+ax.set(xlim=(-0.1, max(map(len, tables.values()))), ylim=(-len(tables) + 0.4, 0.6), xlabel="block of the request")
+ax.set_yticks([-r for r in range(len(tables))], [f"request {rid}" for rid in sorted(tables)])
+ax.set_title("KV blocks of each request: green ones are shared (the system prompt's full blocks)")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_prefix_blocks.png", dpi=110)
+
+# %% [markdown]
+# Requests 1 and 2 start their prefill after the system prompt's full blocks, so they compute a few
+# dozen tokens instead of a hundred, and their first token comes sooner; the tokens are the same.
+# Only full blocks of the prompt are shared, and a request always computes at least its prompt's
+# last token, whose logits give its first new token. A server shows the cache's effect in `/metrics`
+# (`minibatch_prefix_cache_hit_tokens`); `python -m minibatch serve --prefix-caching off` turns it off,
+# and `bench-serve --shared-prefix-len N` sends prompts that share N tokens, to measure it.
+#
 # ## Summary
 #
 # * An online engine is the same loop in a thread of its own: requests join at step boundaries,
@@ -510,6 +571,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # * Logprobs are computed on the device in the sampling step and travel back with the tokens; a
 #   prompt's come from its prefill, which is how evaluation harnesses score answers. Penalties
 #   carry each request's earlier tokens in the batch; the device adds the newest itself.
+# * Prompts that start alike share their full KV blocks (prefix caching): fewer tokens to compute
+#   before the first one, the same tokens out.
 # * A server meets its step shapes as requests arrive: it graphs decode steps only, compiles once for
 #   every batch size, and freezes its heap once warm.
 #

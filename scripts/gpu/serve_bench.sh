@@ -20,7 +20,8 @@
 # warm: the rate-inf rerun above; oneclient, not in the default: async at the highest rate from one client process),
 # so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
 # reused). SERVE_FLAGS adds flags to each of our servers and TAG a suffix to their labels, for an A/B of
-# one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5). Each server's log ends with its
+# one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5); BENCH_FLAGS adds flags to every
+# bench-serve (e.g. BENCH_FLAGS="--shared-prefix-len 1024": prompts that share a system prompt). Each server's log ends with its
 # steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
 # its engine's timeline (every step's spans, each request's arrival) is written to
 # OUTDIR/timeline-LABEL.json ("+" in a label becomes "-" in file names) as it stops, and summarised
@@ -65,8 +66,10 @@ folder=$out/$model-folder
 dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)
 [ -f "$folder/config.json" ] || python3 scripts/gpu/save_random_folder.py "$model" "$folder" --device "$device" \
   --dtype "$dtype" > "$out/save.log" 2>&1 || { tail -5 "$out/save.log"; exit 1; }
-limits=(--max-batch-size "${MAX_BATCH:-$n}" --max-batch-tokens 2048)  # MAX_BATCH: for NUM_PROMPTS past what fits
-bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len"
+# MAX_BATCH: for NUM_PROMPTS past what fits; MAX_BATCH_TOKENS: the step's token budget (a latency trade-off)
+limits=(--max-batch-size "${MAX_BATCH:-$n}" --max-batch-tokens "${MAX_BATCH_TOKENS:-2048}")
+# shellcheck disable=SC2206  # BENCH_FLAGS: words on purpose
+bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len" ${BENCH_FLAGS:-}
        --slo ttft=1000,tpot=50 --out "$out" --no-progress)
 [ -f "$out/startup.tsv" ] || printf 'label\tseconds_to_ready_health\n' > "$out/startup.tsv"
 [ -f "$out/server-cpu.tsv" ] || printf 'label\twall_s\tmain_thread_cpu_s\tprocess_cpu_s\n' > "$out/server-cpu.tsv"
