@@ -1,7 +1,7 @@
 """What the tools people point at a server send, through a real server process and the real `openai`
 client: prompt lists and `n` (LangChain's and lm-eval's batches), extras (guidellm's `ignore_eos`,
 `stop_token_ids`), penalties, unknown fields, and the routes beside the OpenAI ones (/tokenize, /detokenize,
-/v1/models/{id}, /version, /metrics).
+/v1/models/{id}, /version, /metrics), prefix caching.
 """
 
 import re
@@ -133,6 +133,21 @@ def test_metrics_count_requests_tokens_and_latencies(client, server):
     assert after["minibatch_time_to_first_token_seconds_count"] - before["minibatch_time_to_first_token_seconds_count"] == 3
     assert after["minibatch_inter_token_latency_seconds_count"] - before["minibatch_inter_token_latency_seconds_count"] == 12
     assert after["minibatch_kv_blocks"] > 0 and after["minibatch_kv_blocks_used"] == 0 and after["minibatch_running"] == 0
+
+
+def test_prefix_caching_shares_kv_blocks_of_prompts_that_start_alike(client, server, tiny):
+    """Prefix caching, on in `serve` by default: a later prompt with the same start computes only what follows the
+    shared full blocks (16 tokens each), and its answer is the one it gets alone."""
+    system = "You are a helpful assistant who answers questions about the Python language, briefly. "
+    shared = len(tiny.tokenizer.encode(system)) // 16 * 16
+    before = _metrics(server)
+    for q in ("The for statement", "Exceptions are raised"):
+        r = client.completions.create(model="tiny", prompt=system + q, max_tokens=8, temperature=0)
+        assert r.choices[0].text == _alone(tiny, system + q, max_new_tokens=8)
+    after = _metrics(server)
+    hits = after["minibatch_prefix_cache_hit_tokens"] - before["minibatch_prefix_cache_hit_tokens"]
+    assert shared >= 64 and hits >= shared  # the second prompt at least; the first may share with earlier ones
+    assert after["minibatch_prefix_cache_prompt_tokens"] > before["minibatch_prefix_cache_prompt_tokens"]
 
 
 def _metrics(server) -> dict[str, float]:

@@ -322,7 +322,8 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
     assert e.value.code == 0, capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         cli.main(common + ["--rates", "inf", "--num-prompts", "4", "--label", "ids", "--token-prompts",
-                           "--processes", "2", "--warmup"])  # two client processes share the four requests
+                           "--processes", "2", "--warmup", "--shared-prefix-len", "20"])  # two client processes
+    # share the four requests, each of 20 shared tokens and 32 of its own
     printed = capsys.readouterr()
     assert e.value.code == 0, printed
     assert "warm-up: 4 ok, 0 failed" in printed.out, printed  # the untimed pass ran first
@@ -331,7 +332,8 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
     text, ids = data["runs"]["text"]["rates"], data["runs"]["ids"]["rates"]
     assert set(text) == {"20", "inf"} and text["inf"]["completed"] == 8 and text["inf"]["failed"] == 0
     assert 24 <= text["inf"]["mean_prompt_tokens"] <= 40  # about --prompt-len, as the server counted them
-    assert ids["inf"]["mean_prompt_tokens"] == 32 and ids["inf"]["completed"] == 4
+    assert ids["inf"]["mean_prompt_tokens"] == 20 + 32 and ids["inf"]["completed"] == 4
+    assert data["runs"]["ids"]["config"]["shared_prefix_len"] == 20
     assert data["runs"]["ids"]["config"]["processes"] == 2 and data["runs"]["ids"]["config"]["warmup"]
     assert not data["runs"]["text"]["config"]["warmup"]
     for r in (text["inf"], ids["inf"]):  # the client's own CPU share: some, and at most all of one core
@@ -339,6 +341,15 @@ def test_bench_serve_measures_the_server_and_merges_runs(server, tmp_path, capsy
     s = text["20"]
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["e2e_ms"]["p50"]
     assert s["goodput"] == pytest.approx(s["request_throughput"])  # every request met a 60 s target
+
+
+def test_shared_prefix_prompts_start_alike():
+    import argparse
+    import asyncio
+    args = argparse.Namespace(num_prompts=3, prompt_len=5, shared_prefix_len=4, token_prompts=True, seed=0)
+    prompts = asyncio.run(bench_serve.make_prompts(None, "m", args, chat=False))  # (token ids ask no server)
+    assert [len(p) for p in prompts] == [9] * 3 and prompts[0][:4] == prompts[1][:4] == prompts[2][:4]
+    assert len({tuple(p[4:]) for p in prompts}) == 3
 
 
 def test_report_arithmetic():
