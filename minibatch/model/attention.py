@@ -63,6 +63,12 @@ class PagedMeta:
             self._masks[sliding_window] = m[None, None]
         return self._masks[sliding_window]
 
+    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat batch's chunk offsets as the varlen kernel takes them (int32), once per forward."""
+        if "offsets" not in self._masks:
+            self._masks["offsets"] = (self.batch.chunk_starts.to(torch.int32), self.batch.key_starts.to(torch.int32))
+        return self._masks["offsets"]
+
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """[R, 1, 1, L] bool: may row r's query see key l of its row (decode layout)? Built once per forward."""
         key = ("decode", sliding_window)
@@ -96,7 +102,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
         return decode(query, keys, values, meta, window, scaling), None
     if meta.flat_attention == "varlen":
-        return _varlen_attention(query, keys, values, b, window, scaling), None
+        return _varlen_attention(query, keys, values, meta, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
         scale=scaling, enable_gqa=query.shape[1] != keys.shape[1],
@@ -109,17 +115,18 @@ def varlen_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def _varlen_attention(query, keys, values, b: Batch, window, scaling):
+def _varlen_attention(query, keys, values, meta: PagedMeta, window, scaling):
     """A flat step's attention, each chunk against its own keys: one FlashAttention varlen call.
 
     The maximum lengths it takes are bounds from the shapes (tokens, keys), the same for every step of a
     shape, as a CUDA graph needs; the chunks' true lengths come from the offsets. Padding tokens lie in
     no chunk, so the kernel leaves their rows unwritten: they are zeroed, since a NaN there would
     reach the scratch cell's keys through the next layer."""
+    b, (starts, key_starts) = meta.batch, meta.offsets()
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
     band = {"window_size_left": window - 1, "window_size_right": 0} if window else {}  # (q_pos - k_pos < window)
     out = torch.ops.aten._flash_attention_forward(
-        q, keys, values, b.chunk_starts.to(torch.int32), b.key_starts.to(torch.int32), q.shape[0], keys.shape[0],
+        q, keys, values, starts, key_starts, q.shape[0], keys.shape[0],
         0.0, True, False, scale=scaling, **band)[0]
     if b.padded:
         out = out.masked_fill((b.q_seq < 0)[:, None, None], 0.0)
