@@ -183,8 +183,9 @@ def test_bf16_sync_and_async_with_graphs_agree():
 
 
 def test_varlen_flat_attention_matches_the_masked_one():
-    """bf16 flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end of
-    a chunked prompt) gives the masked SDPA's logits to bf16 rounding, padded to buckets as well, with no NaN."""
+    """bf16 eager flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end
+    of a chunked prompt) gives the masked SDPA's logits to bf16 rounding; padded to buckets as well (the kernel
+    called directly on a padded batch: the engine keeps the mask there), with no NaN."""
     from minibatch.core.batch import pad_flat
     from minibatch.core.graphs import StepRunner
     from minibatch.core.scheduler import Scheduler
@@ -208,6 +209,12 @@ def test_varlen_flat_attention_matches_the_masked_one():
         got[kind] = model.logits(mixed.to("cuda"), cache).float()
     got["padded"] = model.logits(padded.to("cuda"), cache).float()[:3]
     model.flat_attention = "varlen"
+    from minibatch.model import attention  # the padded path of the kernel itself, on a padded batch's layer inputs
+    q = torch.randn(1, 32, padded.num_tokens, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(padded.kv_indices.shape[0], 8, 64, device="cuda", dtype=torch.bfloat16)
+    meta = attention.PagedMeta(cache, padded.to("cuda"))
+    out = attention._varlen_attention(q, k, k, meta, None, None)
+    assert torch.isfinite(out).all() and (out[0, mixed.num_tokens:] == 0).all()
     assert all(torch.isfinite(v).all() for v in got.values())
     scale = got["sdpa"].abs().max().item()
     for kind in ("varlen", "padded"):

@@ -24,7 +24,10 @@ own request), or on a GPU in half precision "varlen": FlashAttention's variable-
 chunk against its own keys only (the batch's chunk_starts and key_starts are its offsets), causal
 from the bottom right since a chunk's queries are its keys' last ones. The mask's work grows with
 T x K, the step's tokens times all its keys, the kernel's with each chunk's own; and SDPA with a mask
-may plan anew for every new (T, K), which a flat step meets nearly every time (BENCHMARKS.md).
+may plan anew for every new (T, K), which an eager flat step meets nearly every time (BENCHMARKS.md).
+Flat steps padded to buckets (graphs, batch.pad_flat) keep the mask for now: their shapes repeat, so
+each plan is built once, and the varlen kernel inside a graph has not been measured on a GPU yet
+(`_varlen_attention` handles padding: its tests are in tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if b.decode_rows:
         decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
         return decode(query, keys, values, meta, window, scaling), None
-    if meta.flat_attention == "varlen":
+    if meta.flat_attention == "varlen" and not b.padded:  # (padded steps: graphs of shapes that repeat, below)
         return _varlen_attention(query, keys, values, meta, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
@@ -122,7 +125,7 @@ def _varlen_attention(query, keys, values, meta: PagedMeta, window, scaling):
     shape, as a CUDA graph needs; the chunks' true lengths come from the offsets. Padding tokens lie in
     no chunk, so the kernel leaves their rows unwritten: they are zeroed, since a NaN there would
     reach the scratch cell's keys through the next layer."""
-    b, (starts, key_starts) = meta.batch, meta.offsets()
+    b, (starts, key_starts) = meta.batch, meta.offsets()  # (padded: empty chunks fill the offsets up)
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
     band = {"window_size_left": window - 1, "window_size_right": 0} if window else {}  # (q_pos - k_pos < window)
     out = torch.ops.aten._flash_attention_forward(
