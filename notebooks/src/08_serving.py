@@ -208,6 +208,56 @@ fig.savefig(f"{FIGURES}/08_online_gpu.png", dpi=110)
 # On the GPU the host and the device do not compete, so every gap between tokens shrinks by the
 # host's share of a step, at every rate. TTFT is dominated by waiting for a seat and by prefill;
 # the step in flight that a new request waits for is a few milliseconds of it.
+
+# ### Where a newcomer's first token waits
+#
+# A server's timeline marks three moments of every request: its arrival at the engine, its
+# admission into a batch by the scheduler, and its first token handed to its stream
+# (`python scripts/ttft_breakdown.py TIMELINE` sums them up). Here is one request of a recorded run
+# of the 8B server over HTTP on an H200 (async loop, 4 requests per second), from its arrival to its
+# first token:
+
+# %%
+RUN = "../figures/data/runs/gpu_serving_latency_2026-12-03"
+tl = Timeline.load(f"{RUN}/before/timeline-async.json.gz")
+moments = {kind: t for t, label in tl.marks for kind, _, rid in [label.partition(" ")] if rid == "29"}
+compute = {s.step: s.duration for s in tl.spans if s.lane == "compute"}
+# the step whose planning admitted it: the "prepare" span on the CPU lane around the admission
+admitting = next(s.step for s in tl.spans if s.name == "prepare" and s.start <= moments["scheduled"] <= s.end)
+typical = sorted(compute.values())[len(compute) // 2]
+print(f"queued {1e3 * (moments['scheduled'] - moments['request']):.1f} ms, admitted -> first token "
+      f"{1e3 * (moments['first'] - moments['scheduled']):.1f} ms; the step that holds its prompt (step {admitting}) "
+      f"computes {1e3 * compute[admitting]:.1f} ms, a typical step {1e3 * typical:.1f} ms")
+start, end = moments["request"] - 0.025, moments["first"] + 0.015
+fig, ax = plt.subplots(figsize=(10, 2.6))
+tl.plot(ax, start=start, end=end, step_labels=True)
+for kind, colour, label in (("scheduled", "#4C72B0", "admitted"), ("first", "#C44E52", "first token")):
+    ax.axvline(moments[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
+ax.legend(loc="lower right", fontsize=7, ncol=3)
+ax.set_title("one request's time to first token, 8B on an H200 (attention with a mask)")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_ttft_timeline.png", dpi=110)
+
+# %% [markdown]
+# The loop admitted it within two milliseconds; the time went into the step that holds its prompt,
+# ten times as long as a decode step, and then the async loop's one step more: the host waits for a
+# step only after it has launched the next. That long step was not the prompt's arithmetic. Decode
+# steps are CUDA graphs, one launch each; a step with a prompt in it runs eagerly, and while the
+# host launches its kernels one by one (no span on the CPU lane) the GPU runs each as it comes, so
+# the step lasts as long as its launching. Its attention made that worse: every query of a flat
+# step looked at the step's whole key list through a [tokens, keys] mask, and SDPA with a mask
+# plans for each new shape, which an admitting step nearly always has (our reading of the numbers;
+# a profile would tell). FlashAttention's variable-length kernel takes each chunk against its own
+# keys, the chunks' offsets given as tensors (`Model.flat_attention = "varlen"`,
+# `minibatch/model/attention.py`). What `ttft_breakdown.py` printed for the same workload, sync,
+# before and after (BENCHMARKS.md has the whole table): the admitting step less than half as long, still
+# several decode steps long, since it is still launched kernel by kernel.
+
+# %%
+for when in ("before", "after"):
+    for line in open(f"{RUN}/{when}/ttft.txt"):
+        if line.startswith("timeline-sync"):
+            print(f"{when:7}", line.rstrip())
 #
 # ## 5. Over HTTP
 #
