@@ -1,5 +1,5 @@
 """What the tools people point at a server send, through a real server process and the real `openai`
-client: prompt lists and `n` (LangChain's and lm-eval's batches), extras (guidellm's `ignore_eos`,
+client (and LangChain's own clients): prompt lists and `n` (LangChain's and lm-eval's batches), extras (guidellm's `ignore_eos`,
 `stop_token_ids`), penalties, unknown fields, and the routes beside the OpenAI ones (/tokenize, /detokenize,
 /v1/models/{id}, /version, /metrics), prefix caching.
 """
@@ -58,6 +58,18 @@ def test_a_list_of_prompts_and_n_give_one_choice_each_seeded_by_its_index(client
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in r.choices}
+
+
+def test_langchain_batches_through_the_server(server, tiny):
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    llm = OpenAI(base_url=server.url + "/v1", api_key="none", model="tiny", max_tokens=8, temperature=0, max_retries=0)
+    assert llm.batch(PROMPTS) == [_alone(tiny, p, max_new_tokens=8) for p in PROMPTS]  # one request, a list of prompts
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="tiny", max_tokens=8, temperature=0,
+                      max_retries=0)
+    replies = chat.batch(["Hello", "Lists hold"])
+    assert all(r.response_metadata["finish_reason"] in ("stop", "length") and r.usage_metadata["output_tokens"] >= 1
+               for r in replies)
 
 
 def test_token_id_prompts_in_a_list(client, tiny):
