@@ -36,8 +36,7 @@ def _run(tiny, prefix_caching: bool, mode: str, arrivals=True, **config):
         while engine.has_work():
             engine.step()
             computed.append(sum(c.num_tokens for c in run.applied.chunks) if run.applied is not None else 0)
-        cache = run.scheduler.prefix
-        hits = cache.hit_tokens if cache else 0
+        hits = run.scheduler.prefix.hit_tokens
         engine.finish()  # (raises if a KV block did not come back: kept blocks too)
     return [r.output for r in requests], hits, sum(computed)
 

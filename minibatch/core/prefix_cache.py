@@ -46,10 +46,11 @@ class PrefixCache:
     The scheduler asks it instead of the allocator: `admit` (blocks for a new request, the shared ones
     first), `kept` (blocks a planned step fills), `free` (a request's blocks back), `num_free` (blocks
     it could hand out now: free or idle), `clear` (everything back to the allocator, at a run's end).
+    With `enabled` False it keeps nothing: every request gets fresh blocks, as from the allocator.
     """
 
-    def __init__(self, allocator: BlockAllocator) -> None:
-        self.allocator, self.block_size = allocator, allocator.block_size
+    def __init__(self, allocator: BlockAllocator, enabled: bool = True) -> None:
+        self.allocator, self.block_size, self.enabled = allocator, allocator.block_size, enabled
         self._entries: dict[int, _Entry] = {}  # key -> entry
         self._key_of: dict[int, int] = {}  # kept block -> its key
         self._holders: dict[int, int] = {}  # kept block -> running requests holding it
@@ -86,7 +87,8 @@ class PrefixCache:
     def admit(self, request, need: int) -> tuple[list[int], int] | None:
         """`need` blocks for `request`: its kept prefix's, then fresh ones; and how many of its prompt's
         tokens they already hold. None if they cannot all be had now (nothing changes then)."""
-        shared, keys = ([], []) if request.params.prompt_logprobs is not None else self.match(request.prompt)
+        shareable = self.enabled and request.params.prompt_logprobs is None  # (a shared block has no logits)
+        shared, keys = self.match(request.prompt) if shareable else ([], [])
         idle_left = len(self._idle) - sum(b in self._idle for b in shared)
         if need - len(shared) > self.allocator.num_free + idle_left:
             return None
@@ -94,7 +96,8 @@ class PrefixCache:
             self._holders[b] += 1
             self._idle.pop(b, None)
         blocks = shared + self._fresh(need - len(shared))
-        self._chains[request] = keys
+        if self.enabled:
+            self._chains[request] = keys
         self.hit_tokens += len(shared) * self.block_size
         self.prompt_tokens += len(request.prompt)
         return blocks, len(shared) * self.block_size

@@ -80,7 +80,7 @@ class Scheduler:
                 f"max_batch_tokens and max_batch_size must be >= 1, got {max_batch_tokens}, {max_batch_size}"
             )
         self.allocator = allocator
-        self.prefix = PrefixCache(allocator) if prefix_caching else None
+        self.prefix = PrefixCache(allocator, prefix_caching)  # every request's blocks come from it, shared or not
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.pending: list[Request] = []  # not arrived yet (arrival_step in the future)
@@ -146,15 +146,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             r = self.waiting[0]
             need = self.allocator.blocks_for(r.max_len)
-            if self.prefix is not None:
-                got = self.prefix.admit(r, need)
-                if got is None:
-                    break  # first come, first served: later requests wait too
-                r.blocks, r.num_computed = got  # the shared blocks' tokens are computed already
-            elif need > self.allocator.num_free:
-                break
-            else:
-                r.blocks = self.allocator.allocate(need)
+            got = self.prefix.admit(r, need)
+            if got is None:
+                break  # first come, first served: later requests wait too
+            r.blocks, r.num_computed = got  # (num_computed: the tokens of the blocks it shares, computed already)
             self.waiting.popleft()
             r.state = RequestState.PREFILLING
             r.scheduled_at = time.perf_counter()
@@ -166,8 +161,7 @@ class Scheduler:
             c = chunks[i]
             r = c.request
             r.num_computed = c.end
-            if self.prefix is not None:
-                self.prefix.kept(r, c.end)
+            self.prefix.kept(r, c.end)
             if r.params.prompt_logprobs is not None:
                 self._score(plan, i, c)
             if c.sample:
@@ -200,7 +194,7 @@ class Scheduler:
         decoding = RequestState.DECODING  # (the cheap test first: this runs over every request every step)
         for r in [r for r in self.running if r.num_sampled >= r.max_new_tokens and r.state is decoding]:
             self.running.remove(r)
-            self._free(r)
+            self.prefix.free(r)
             self.retiring.append(r)
 
     def finish(self, r: Request, reason: str) -> bool:
@@ -215,7 +209,7 @@ class Scheduler:
             return False
         if r in self.running:
             self.running.remove(r)
-            self._free(r)
+            self.prefix.free(r)
         elif r in self.retiring:
             self.retiring.remove(r)  # its blocks went back when its last token was planned
         elif r in self.waiting:
@@ -258,7 +252,7 @@ class Scheduler:
             if r in self.retiring:
                 self.retiring.remove(r)  # seat and blocks were given back when it was planned
             else:
-                self._free(r)
+                self.prefix.free(r)
                 self.running.remove(r)
             self.finished.append(r)
         return done
@@ -266,18 +260,11 @@ class Scheduler:
     @property
     def num_free_blocks(self) -> int:
         """KV blocks a new request could get now (with prefix caching: the cache's idle ones too)."""
-        return self.allocator.num_free if self.prefix is None else self.prefix.num_free
-
-    def _free(self, r: Request) -> None:
-        if self.prefix is not None:
-            self.prefix.free(r)
-        else:
-            self.allocator.free(r.blocks)
+        return self.prefix.num_free
 
     def close(self) -> None:
         """The run is over: blocks the prefix cache keeps go back to the allocator."""
-        if self.prefix is not None:
-            self.prefix.clear()
+        self.prefix.clear()
 
 
 def _token_logprob(token: int, values, ids, k: int) -> TokenLogprob:

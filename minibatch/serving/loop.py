@@ -334,9 +334,8 @@ class Serving:
         prefix = s.prefix
         return {"serving": True, "mode": run.mode, "kv_blocks": s.allocator.num_blocks,
                 "kv_blocks_free": s.num_free_blocks, "running": len(s.running),
-                "kv_blocks_cached": prefix.num_kept if prefix else 0,
-                "prefix_cache_hit_tokens": prefix.hit_tokens if prefix else 0,
-                "prefix_cache_prompt_tokens": prefix.prompt_tokens if prefix else 0,
+                "kv_blocks_cached": prefix.num_kept, "prefix_cache_hit_tokens": prefix.hit_tokens,
+                "prefix_cache_prompt_tokens": prefix.prompt_tokens,
                 "waiting": len(s.waiting) + len(loop.inbox), "steps": s.step,
                 "graph_captures": len(run.runner.captures),
                 "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),
