@@ -12,7 +12,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import minibatch
 from minibatch.model.attention import ATTN_NAME, PagedMeta
-from minibatch.core.batch import build_batch, pad_flat
+from minibatch.core.batch import build_batch
+from minibatch.core.graphs import pad_flat
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.scheduler import Scheduler
 from minibatch.core.buckets import ROW_BUCKETS
@@ -92,7 +93,7 @@ def test_device_work_reads_no_tensor_value_and_builds_no_mask(random_llama, monk
 
 @pytest.mark.parametrize("name", ["random-llama", "random-mistral"])
 def test_padding_a_flat_batch_changes_no_real_row(name):
-    """Prefill and mixed steps on a GPU are padded to bucketed sizes (batch.pad_flat) so that they can be
+    """Prefill and mixed steps on a GPU are padded to bucketed sizes (graphs.pad_flat) so that they can be
     CUDA graphs: padding tokens, keys and rows must leave every real row's logits as they were."""
     model = minibatch.load_model(name, device="cpu")
     cache, mixed, _ = plans(model)

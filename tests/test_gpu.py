@@ -37,7 +37,7 @@ def test_graphs_same_tokens_as_eager_float32():
 
 
 def test_prefill_and_mixed_steps_are_graphs_too():
-    """Prefill and mixed steps are padded to bucketed sizes and replayed as graphs (batch.pad_flat):
+    """Prefill and mixed steps are padded to bucketed sizes and replayed as graphs (graphs.pad_flat):
     the same tokens as eager steps in float32, as decode-only graphs ("decode"), and as sync."""
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
     work = prompts(12, model.vocab_size, seed=3)
@@ -186,8 +186,7 @@ def test_varlen_flat_attention_matches_the_masked_one():
     """bf16 eager flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end
     of a chunked prompt) gives the masked SDPA's logits to bf16 rounding; padded to buckets as well (the kernel
     called directly on a padded batch: the engine keeps the mask there), with no NaN."""
-    from minibatch.core.batch import pad_flat
-    from minibatch.core.graphs import StepRunner
+    from minibatch.core.graphs import StepRunner, pad_flat
     from minibatch.core.scheduler import Scheduler
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.bfloat16)

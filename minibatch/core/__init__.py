@@ -23,7 +23,7 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     launch.py       launch_step: H2D, compute, D2H on three streams chained by events          03-06
     buckets.py      the sizes steps are padded to (few shapes for graphs and compiles)            04
     slots.py        IO slots: host and device buffers of one step, and their events              04
-    graphs.py       StepRunner: a step's batch, run eagerly or as a CUDA graph replay            04
+    graphs.py       StepRunner: a step run eagerly or as a CUDA graph; flat steps padded to buckets 04
     carry_over.py   where batch N's sampled tokens go in batch N+1 (placeholders + mask)          05
     async_loop.py   one step of the asynchronous loop: launch N+1, then wait for N                06
     compat.py       the private CPython hook the core uses (devices/ and speed/ keep their own)  01

@@ -33,7 +33,7 @@ import torch
 from .buckets import bucket
 from .decode_keys import decode_keys
 from .kv_cache import PagedKVCache
-from .penalties import history, pad_rows
+from .penalties import history
 from .requests import MAX_BANNED, Request
 from .scheduler import BatchPlan
 
@@ -72,7 +72,7 @@ class Batch:
     decode_rows: int = 0  # > 0: decode layout, keys laid out as [decode_rows, K // decode_rows] (see build_batch)
     all_greedy: bool = False  # every sampled row has temperature 0: sampling is one argmax (sampling.py)
     unfiltered: bool = False  # no row uses top-k or top-p: sampling needs no sort (sampling.py)
-    padded: bool = False  # a flat batch padded to bucketed sizes (pad_flat): like a decode batch, it can be a CUDA graph
+    padded: bool = False  # a flat batch padded to bucketed sizes (graphs.pad_flat): like a decode batch, it can be a CUDA graph
     logprobs: bool = False  # some row wants logprobs, or some token scores the prompt (sampling.logprobs)
     bans: bool = False  # some row holds its end-of-sequence ids back (min_tokens: sampling.choose)
     penalized: bool = False  # some row has a penalty on (penalties.py): an eager step, never a graph
@@ -277,59 +277,6 @@ def _pad_rows(pad: int, scratch: int, tables: list, ids: list, temp: list, samp:
     for column, v in zip(samp, (0, 1.0, 0, 0)):
         column += [v] * pad
     return starts, ends, counts, sample
-
-
-def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[int, ...], rows: int,
-             max_tokens: int, max_keys: int) -> Batch:
-    """A flat (prefill or mixed) batch padded to bucketed sizes, so that its step can be a CUDA graph.
-
-    T tokens go up to a size in `tokens`, K keys up to a size in `keys` (always at least one more than
-    K, see below), and the sampled rows to `rows`; the batch is returned as it is when a padded size
-    would not fit in `max_tokens`, `max_keys` or `rows`. Padding never changes a real token's result:
-
-        padding tokens   id 0 at position 0, chunk -1, K/V written to the scratch cell, past the last of
-                         chunk_starts (empty chunks fill it up to rows + 1 offsets)
-        padding keys     the scratch cell, chunk -1: only padding tokens see them (and at least one
-                         exists, so a padding token's attention row is never empty, which would be NaN)
-        padding rows     sample the last token greedily; the host reads only the real rows
-
-    Why: an eager prefill step of a small model is bound by the host launching its kernels one by
-    one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
-    replays the step with one launch. Padding costs compute (at most an eighth more tokens above 256
-    with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.
-    """
-    t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
-    if batch.decode_rows or r > rows or not t or batch.score_indices.shape[0]:  # (a scoring step: rare, eager)
-        return batch
-    if batch.chunk_starts.shape[0] > rows + 1:  # more chunks than rows (several that do not sample): eager
-        return batch
-    if not tokens or not keys or t > max(tokens) or k + 1 > max(keys):
-        return batch
-    t2, k2 = bucket(t, tokens), bucket(k + 1, keys)
-    if t2 > max_tokens or k2 > max_keys:
-        return batch
-
-    def ext(x: torch.Tensor, n: int, value) -> torch.Tensor:
-        return torch.cat([x, torch.full((n,), value, dtype=x.dtype)]) if n else x
-
-    pt, pk, pr = t2 - t, k2 - k, rows - r
-    return Batch(
-        input_ids=ext(batch.input_ids, pt, 0), positions=ext(batch.positions, pt, 0), q_seq=ext(batch.q_seq, pt, -1),
-        cell_mapping=ext(batch.cell_mapping, pt, scratch),
-        kv_indices=ext(batch.kv_indices, pk, scratch), kv_seq=ext(batch.kv_seq, pk, -1), kv_pos=ext(batch.kv_pos, pk, 0),
-        logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
-        # rows + 1 offsets whatever the chunk count, as a graph needs: empty chunks at the end (padding
-        # tokens and keys lie past the last offset, in no chunk)
-        chunk_starts=ext(batch.chunk_starts, rows + 1 - batch.chunk_starts.shape[0], int(batch.chunk_starts[-1])),
-        key_starts=ext(batch.key_starts, rows + 1 - batch.key_starts.shape[0], int(batch.key_starts[-1])),
-        top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
-        counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
-        banned=ext(batch.banned, pr * MAX_BANNED if batch.bans else 0, -1), bans=batch.bans,
-        history_rows=batch.history_rows, history_ids=batch.history_ids, history_output=batch.history_output,
-        penalties=pad_rows(batch.penalties, pr), penalized=batch.penalized,
-        all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
-        logprobs=batch.logprobs,
-    )
 
 
 _EMPTY = np.zeros(0, np.int64)

@@ -3,14 +3,14 @@
 A CUDA graph (core/graphs.py) and a compiled step (speed/compiled.py) serve one shape each, so a
 step's sizes are rounded up to the next bucket: decode steps to a row count from ROW_BUCKETS,
 prefill and mixed steps to a token count from TOKEN_BUCKETS and a key count from KEY_BUCKETS
-(batch.pad_flat). The run's memory estimate (core/memory.py) sizes the IO slots for the padded
+(graphs.pad_flat). The run's memory estimate (core/memory.py) sizes the IO slots for the padded
 step. A finer bucket pads less but needs more graphs.
 """
 
 from __future__ import annotations
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# Prefill and mixed steps (batch.pad_flat). Tokens: a step is usually exactly the token budget (prefill
+# Prefill and mixed steps (graphs.pad_flat). Tokens: a step is usually exactly the token budget (prefill
 # chunks are cut to fill it), so the buckets only need to be fine enough that the other steps waste
 # little: at most 1/8 of the tokens above 256 (a large model's prefill is compute-bound: padding costs
 # what it adds). Keys: the flat layout's attention costs tokens x keys, so half-octave buckets

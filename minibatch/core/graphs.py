@@ -16,7 +16,7 @@ A graph replays fixed kernels on fixed addresses with fixed shapes. Hence:
   * shapes come from buckets: decode steps are padded to a row count from ROW_BUCKETS and a key
     length that is a multiple of the model's decode_kv_bucket (kv_bucket for compiled steps, which
     compile once per shape; batch.py, decode layout); prefill and mixed steps are padded to a token
-    count from TOKEN_BUCKETS, a key count from KEY_BUCKETS and the slot's rows (batch.pad_flat), and
+    count from TOKEN_BUCKETS, a key count from KEY_BUCKETS and the slot's rows (pad_flat, below), and
     the few that do not fit those (more keys than KEY_BUCKETS holds) stay eager;
   * the carry-over ops (carry_over.py) run inside the graph, before the forward pass.
 All graphs share one memory pool: they never run at the same time (one compute stream), so the
@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batch import build_batch, pad_flat
-from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS
+from .batch import Batch, build_batch
+from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
+from .penalties import pad_rows
+from .requests import MAX_BANNED
 from .scheduler import BatchPlan
 from .slots import StepArgs
 from .device import platform, resident
@@ -61,7 +63,7 @@ class StepRunner:
                              "is on " + str(model.device))
         self.model, self.cache, self.use_graphs, self.compiled = model, cache, use_graphs, compiled
         # (tokens, keys, rows) an IO slot holds: with it, prefill and mixed steps on a GPU are padded to
-        # bucketed sizes (batch.pad_flat), so that they can be graphs too
+        # bucketed sizes (pad_flat, below), so that they can be graphs too
         self.capacity = capacity
         # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
         self.decode_layout = model.decode_layout
@@ -115,3 +117,56 @@ class StepRunner:
         # the shape is new to torch.compile), the device drained, the capture itself
         self.captures.append({"key": args.key, "reserved_growth": grew, "seconds": time.perf_counter() - started})
         return graph
+
+
+def pad_flat(batch: Batch, scratch: int, tokens: tuple[int, ...], keys: tuple[int, ...], rows: int,
+             max_tokens: int, max_keys: int) -> Batch:
+    """A flat (prefill or mixed) batch padded to bucketed sizes, so that its step can be a CUDA graph.
+
+    T tokens go up to a size in `tokens`, K keys up to a size in `keys` (always at least one more than
+    K, see below), and the sampled rows to `rows`; the batch is returned as it is when a padded size
+    would not fit in `max_tokens`, `max_keys` or `rows`. Padding never changes a real token's result:
+
+        padding tokens   id 0 at position 0, chunk -1, K/V written to the scratch cell, past the last of
+                         chunk_starts (empty chunks fill it up to rows + 1 offsets)
+        padding keys     the scratch cell, chunk -1: only padding tokens see them (and at least one
+                         exists, so a padding token's attention row is never empty, which would be NaN)
+        padding rows     sample the last token greedily; the host reads only the real rows
+
+    Why: an eager prefill step of a small model is bound by the host launching its kernels one by
+    one, so the GPU idles between steps while the host prepares the next one (BENCHMARKS.md); a graph
+    replays the step with one launch. Padding costs compute (at most an eighth more tokens above 256
+    with the buckets of buckets.py, up to 32 tokens below) and a capture per new shape.
+    """
+    t, k, r = batch.num_tokens, batch.kv_indices.shape[0], batch.num_sampled
+    if batch.decode_rows or r > rows or not t or batch.score_indices.shape[0]:  # (a scoring step: rare, eager)
+        return batch
+    if batch.chunk_starts.shape[0] > rows + 1:  # more chunks than rows (several that do not sample): eager
+        return batch
+    if not tokens or not keys or t > max(tokens) or k + 1 > max(keys):
+        return batch
+    t2, k2 = bucket(t, tokens), bucket(k + 1, keys)
+    if t2 > max_tokens or k2 > max_keys:
+        return batch
+
+    def ext(x: torch.Tensor, n: int, value) -> torch.Tensor:
+        return torch.cat([x, torch.full((n,), value, dtype=x.dtype)]) if n else x
+
+    pt, pk, pr = t2 - t, k2 - k, rows - r
+    return Batch(
+        input_ids=ext(batch.input_ids, pt, 0), positions=ext(batch.positions, pt, 0), q_seq=ext(batch.q_seq, pt, -1),
+        cell_mapping=ext(batch.cell_mapping, pt, scratch),
+        kv_indices=ext(batch.kv_indices, pk, scratch), kv_seq=ext(batch.kv_seq, pk, -1), kv_pos=ext(batch.kv_pos, pk, 0),
+        logits_indices=ext(batch.logits_indices, pr, t2 - 1), temperature=ext(batch.temperature, pr, 0.0),
+        # rows + 1 offsets whatever the chunk count, as a graph needs: empty chunks at the end (padding
+        # tokens and keys lie past the last offset, in no chunk)
+        chunk_starts=ext(batch.chunk_starts, rows + 1 - batch.chunk_starts.shape[0], int(batch.chunk_starts[-1])),
+        key_starts=ext(batch.key_starts, rows + 1 - batch.key_starts.shape[0], int(batch.key_starts[-1])),
+        top_k=ext(batch.top_k, pr, 0), top_p=ext(batch.top_p, pr, 1.0), seed=ext(batch.seed, pr, 0),
+        counter=ext(batch.counter, pr, 0), score_indices=batch.score_indices, score_targets=batch.score_targets,
+        banned=ext(batch.banned, pr * MAX_BANNED if batch.bans else 0, -1), bans=batch.bans,
+        history_rows=batch.history_rows, history_ids=batch.history_ids, history_output=batch.history_output,
+        penalties=pad_rows(batch.penalties, pr), penalized=batch.penalized,
+        all_greedy=bool(r == 0 or batch.all_greedy), unfiltered=batch.unfiltered, padded=True,
+        logprobs=batch.logprobs,
+    )

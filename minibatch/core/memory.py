@@ -44,7 +44,7 @@ def run_sizes(model, config, lengths, max_new_tokens, max_batch_size: int, block
     longest = max(lengths) + max_new_tokens
     width = max(-(-longest // b) * b for b in (model.kv_bucket, model.decode_kv_bucket))
     tokens, keys = max(max_batch_tokens, rows), max(num_blocks * block_size + model.kv_bucket, rows * width)
-    if platform(model.device).padded:  # room for prefill steps padded to bucketed sizes (batch.pad_flat)
+    if platform(model.device).padded:  # room for prefill steps padded to bucketed sizes (graphs.pad_flat)
         tokens = max(tokens, bucket(max_batch_tokens, TOKEN_BUCKETS))
         keys = max(keys, bucket(keys + 1, KEY_BUCKETS))
     return num_blocks, tokens, keys, rows

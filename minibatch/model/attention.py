@@ -25,7 +25,7 @@ chunk against its own keys only (the batch's chunk_starts and key_starts are its
 from the bottom right since a chunk's queries are its keys' last ones. The mask's work grows with
 T x K, the step's tokens times all its keys, the kernel's with each chunk's own; and SDPA with a mask
 may plan anew for every new (T, K), which an eager flat step meets nearly every time (BENCHMARKS.md).
-Flat steps padded to buckets (graphs, batch.pad_flat) keep the mask for now: their shapes repeat, so
+Flat steps padded to buckets (graphs, graphs.pad_flat) keep the mask for now: their shapes repeat, so
 each plan is built once, and the varlen kernel inside a graph has not been measured on a GPU yet
 (`_varlen_attention` handles padding: its tests are in tests/test_gpu.py).
 """

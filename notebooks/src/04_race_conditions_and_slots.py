@@ -271,7 +271,7 @@ print("two slots correct?", compute_ok == reference)
 #   it comes up (`minibatch/core/graphs.py`). A finer bucket pads less but needs more graphs;
 #   notebook 07 measures what 64 instead of 256 saves. Prefill and mixed steps are padded too: their
 #   tokens to a size from `TOKEN_BUCKETS`, the keys they read to one from `KEY_BUCKETS`, with
-#   padding tokens that see only padding keys (`batch.pad_flat`). Their shapes repeat less than
+#   padding tokens that see only padding keys (`graphs.pad_flat`). Their shapes repeat less than
 #   decode steps' do, so a short first run can pay more for captures than it saves (`BENCHMARKS.md`);
 # * all graphs share **one memory pool**: they never run at the same time, so the scratch memory of
 #   one can be reused by the next.

@@ -403,7 +403,7 @@ for r in sweep:
 #   a synchronous step. Long contexts and large batches make prefill (which is the same in both loops)
 #   most of the run, and the ratio goes towards 1.
 # * **The async loop keeps the device busy at every point: 99.2-100% <!-- from figures/data/headline.json: sweep.busy_min_pct, sweep.busy_max_pct -->.** That takes prefill
-#   steps that are CUDA graphs too (`core/graphs.py`, `batch.pad_flat`): an eager prefill step of a
+#   steps that are CUDA graphs too (`core/graphs.py`, `graphs.pad_flat`): an eager prefill step of a
 #   small model is bound by the host launching its kernels, so the device cannot run ahead of the
 #   host and waits while the host prepares the next step (the small shapes are 97.8-98.8% busy with
 #   eager prefill steps). Padded to bucketed sizes and replayed, prefill steps are queued like decode

@@ -4,7 +4,7 @@
 
 For each point, one Engine runs the workload with `cuda_graphs="decode"` (decode steps replayed as
 graphs, prefill and mixed steps eager and unpadded) and with `cuda_graphs=True` (every step padded to
-bucketed sizes and replayed: batch.pad_flat), each in the sync and the async loop. Every one of the four
+bucketed sizes and replayed: graphs.pad_flat), each in the sync and the async loop. Every one of the four
 runs once untimed first (graph captures), then `--repeats` times in turn; the medians are printed: wall
 time, device busy, the mean compute span of the prefill/mixed steps, and the decode step. Tokens must be
 equal across the four runs of a point within each graph setting (sync == async); across settings too in
