@@ -196,7 +196,7 @@ def _offsets(counts: np.ndarray, ends: np.ndarray, decode: bool) -> dict:
     """Batch.chunk_starts and key_starts: where each chunk's tokens and keys start, then where the last ends
     (the offsets a variable-length attention kernel takes, model/attention.py); empty in the decode layout."""
     if decode:
-        return {"chunk_starts": torch.from_numpy(_EMPTY), "key_starts": torch.from_numpy(_EMPTY)}
+        return {"chunk_starts": _NONE, "key_starts": _NONE}
     return {"chunk_starts": torch.from_numpy(np.append(0, np.cumsum(counts))),
             "key_starts": torch.from_numpy(np.append(0, np.cumsum(ends)))}
 
@@ -209,7 +209,7 @@ def _banned(sampled: list[Request], pad: int) -> dict:
     held = [(i, r.params.eos_token_id) for i, r in enumerate(sampled)
             if r.params.min_tokens > r.num_sampled - 1 and r.params.eos_token_id is not None]
     if not held:
-        return {"banned": torch.from_numpy(_EMPTY), "bans": False}
+        return {"banned": _NONE, "bans": False}
     out = np.full((len(sampled) + pad) * MAX_BANNED, -1, np.int64)
     for i, eos in held:
         ends = [eos] if isinstance(eos, int) else sorted(eos)
@@ -222,7 +222,7 @@ def _score_rows(scoring: list, first: np.ndarray) -> dict:
     the prompt's last (Batch.score_indices), and the prompt token after it, whose logprob that
     position's logits give (score_targets)."""
     if not scoring:
-        return {"score_indices": torch.from_numpy(_EMPTY), "score_targets": torch.from_numpy(_EMPTY)}
+        return {"score_indices": _NONE, "score_targets": _NONE}
     idx, tgt = [], []
     for i, c in scoring:
         prompt = c.request.prompt
@@ -280,6 +280,8 @@ def _pad_rows(pad: int, scratch: int, tables: list, ids: list, temp: list, samp:
 
 
 _EMPTY = np.zeros(0, np.int64)
+#: the empty field of a step that does not use it; one tensor for all (a host batch is read-only)
+_NONE = torch.from_numpy(_EMPTY)
 
 
 @functools.lru_cache(maxsize=8)

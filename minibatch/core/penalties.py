@@ -27,7 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_EMPTY = np.zeros(0, np.int64)
+_NONE = torch.zeros(0, dtype=torch.int64)
+#: a step's fields when no row is penalized (one set for all: a host batch is read-only)
+_UNUSED = {"history_rows": _NONE, "history_ids": _NONE, "history_output": _NONE,
+           "penalties": torch.zeros(0), "penalized": False}
 #: per-row values, as Batch.penalties holds them: (presence, frequency, repetition) of each sampled row
 COLUMNS = 3
 OFF = (0.0, 0.0, 1.0)
@@ -40,8 +43,7 @@ def history(sampled: list, ends: list[int], pad: int) -> dict:
     penalized row sends empty tensors and penalized=False."""
     marked = [i for i, r in enumerate(sampled) if r.params.penalized]
     if not marked:
-        return {"history_rows": torch.from_numpy(_EMPTY), "history_ids": torch.from_numpy(_EMPTY),
-                "history_output": torch.from_numpy(_EMPTY), "penalties": torch.zeros(0), "penalized": False}
+        return _UNUSED
     values = np.tile(np.array(OFF, np.float32), len(sampled) + pad)
     rows, ids, output = [], [], []
     for i in marked:

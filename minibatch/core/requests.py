@@ -92,6 +92,9 @@ class SamplingParams:
             put(self, name, _number(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
         put(self, "repetition_penalty", _number("repetition_penalty", self.repetition_penalty, "> 0 (1 is off)",
                                                 lambda v: v > 0))
+        # some penalty is on: the device needs this request's earlier tokens each step it samples (not a
+        # field: an attribute read once per row per step, where a property's comparisons would cost more)
+        put(self, "penalized", self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1)
         put(self, "eos_token_id", _eos(self.eos_token_id))
         put(self, "stop", _stops(self.stop))
         put(self, "min_tokens", _int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens))
@@ -100,10 +103,6 @@ class SamplingParams:
             raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
                              f"{ends} (eos_token_id and stop_token_ids)")
 
-    @property
-    def penalized(self) -> bool:
-        """Some penalty is on: the device needs this request's earlier tokens each step it samples."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some options changed (checked again)."""

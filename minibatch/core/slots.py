@@ -94,13 +94,13 @@ class IOSlot:
         held, self.keys_held = self.keys_held, None  # (None while the buffers are half written)
         for name in TENSOR_FIELDS:
             t = getattr(batch, name)
-            buf = self.host[name]
-            if t.shape[0] > buf.shape[0]:
+            n, buf = t.shape[0], self.host[name]
+            if n > buf.shape[0]:
                 cap = EXTENT.get(name, "R")
-                raise ValueError(f"batch field {name} needs {t.shape[0]} entries, slot capacity {cap}={buf.shape[0]}")
-            if source is None or name not in KEY_FIELDS:
-                self._np[name][: t.shape[0]] = t.numpy()  # (numpy: a few µs less per field than Tensor.copy_)
-            self.sizes[name] = t.shape[0]
+                raise ValueError(f"batch field {name} needs {n} entries, slot capacity {cap}={buf.shape[0]}")
+            if n and (source is None or name not in KEY_FIELDS):  # (empty: the fields a step does not use)
+                self._np[name][:n] = t.numpy()  # (numpy: a few µs less per field than Tensor.copy_)
+            self.sizes[name] = n
         self.keys_held = source.load_into(self.host, held, batch) if source is not None else None
         # the whole mask travels, -1 past the previous batch's rows: fixed size, as a CUDA graph needs
         self._np["carry"].fill(-1)
