@@ -32,10 +32,7 @@ from minibatch.core.timeline import Timeline  # noqa: E402
 
 def breakdown(tl: Timeline) -> list[dict]:
     """One row per request that got its first token: queued_ms, to_first_ms, steps, step_ms."""
-    marks: dict[str, dict[str, float]] = {}
-    for t, label in tl.marks:
-        kind, _, rid = label.partition(" ")
-        marks.setdefault(rid, {})[kind] = t
+    marks = tl.request_marks()
     compute = sorted((s.start, s.end, s.step) for s in tl.spans if s.lane == "compute")
     starts = [c[0] for c in compute]
     prepares = sorted((s.start, s.end, s.step) for s in tl.spans if s.lane == "CPU" and s.name == "prepare")

@@ -347,6 +347,7 @@ def test_arrivals_are_marked_on_the_timeline(tiny):
         assert marks[f"request {rid}"] <= marks[f"scheduled {rid}"] <= marks[f"first {rid}"]
     assert marks["first 0"] < marks["request 1"] and tl.arrivals() == [marks["request 0"], marks["request 1"]]
     assert minibatch.Timeline.from_dict(tl.to_dict()).marks == tl.marks
+    assert tl.request_marks()["1"] == {k: marks[f"{k} 1"] for k in ("request", "scheduled", "first")}
 
 
 @pytest.mark.cuda

@@ -123,8 +123,8 @@ class PrefixCache:
             parent = chain[-1] if chain else None
             key = self._key(parent, tokens)
             chain.append(key)
-            block = request.blocks[i]
-            if key not in self._entries and block not in self._key_of:
+            if key not in self._entries:  # (its blocks past the shared ones are fresh: none is kept yet)
+                block = request.blocks[i]
                 self._entries[key] = _Entry(block, parent, tokens)
                 self._key_of[block], self._holders[block] = key, 1
 

@@ -103,7 +103,6 @@ class SamplingParams:
             raise ValueError(f"min_tokens holds back at most {MAX_BANNED} end-of-sequence ids, and this request has "
                              f"{ends} (eos_token_id and stop_token_ids)")
 
-
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some options changed (checked again)."""
         return dataclasses.replace(self, **changes)

@@ -37,9 +37,10 @@ FLOAT_FIELDS = ("temperature", "top_p", "penalties")
 #: which capacity each field's length is bounded by: T tokens, K keys, R sampled rows
 EXTENT = {"input_ids": "T", "positions": "T", "q_seq": "T", "cell_mapping": "T",
           "kv_indices": "K", "kv_seq": "K", "kv_pos": "K", "score_indices": "T", "score_targets": "T",
-          "chunk_starts": "C", "key_starts": "C", "banned": "B", "history_rows": "K", "history_ids": "K", "history_output": "K", "penalties": "P"}
-# C: a chunk per row, and one more offset; B: MAX_BANNED per sampled row; P: penalties.COLUMNS per sampled row; a penalized row's history is at most
-# the keys its step reads (K)
+          "chunk_starts": "C", "key_starts": "C", "banned": "B",
+          "history_rows": "K", "history_ids": "K", "history_output": "K", "penalties": "P"}
+# C: a chunk per row, and one more offset; B: MAX_BANNED and P: penalties.COLUMNS per sampled row; a
+# penalized row's history is at most the keys its step reads (K)
 #: logprobs, row by row (sampled rows, then scored prompt tokens): the chosen token's and the top K's
 LOGPROB_COLUMNS = 1 + MAX_LOGPROBS
 

@@ -78,6 +78,15 @@ class Timeline:
         run also marks when each was scheduled ("scheduled N") and its first token delivered ("first N")."""
         return sorted(t for t, label in self.marks if start <= t <= end and label.startswith(ARRIVAL))
 
+    def request_marks(self) -> dict[str, dict[str, float]]:
+        """{request id: {"request": arrival, "scheduled": admission, "first": first token}} from the marks
+        (a serving run's; a request still waiting has its arrival only)."""
+        out: dict[str, dict[str, float]] = {}
+        for t, label in self.marks:
+            kind, _, rid = label.partition(" ")
+            out.setdefault(rid, {})[kind] = t
+        return out
+
     @contextmanager
     def span(self, lane: str, name: str, step: int = -1, slot: int = -1):
         start = self.now()

@@ -220,7 +220,7 @@ fig.savefig(f"{FIGURES}/08_online_gpu.png", dpi=110)
 # %%
 RUN = "../figures/data/runs/gpu_serving_latency_2026-12-03"
 tl = Timeline.load(f"{RUN}/before/timeline-async.json.gz")
-moments = {kind: t for t, label in tl.marks for kind, _, rid in [label.partition(" ")] if rid == "29"}
+moments = tl.request_marks()["29"]  # its arrival, admission and first token
 compute = {s.step: s.duration for s in tl.spans if s.lane == "compute"}
 # the step whose planning admitted it: the "prepare" span on the CPU lane around the admission
 admitting = next(s.step for s in tl.spans if s.name == "prepare" and s.start <= moments["scheduled"] <= s.end)
