@@ -263,14 +263,18 @@ class Engine:
         """After a failed or interrupted run: wait for the device (bounded), then drop what the run used.
 
         Its KV cache still counts blocks as owned, so the set is not reused. If the device failed or
-        does not finish in time, it is closed and every resource tied to it goes with it; the next run
-        opens a fresh device.
+        does not finish in time, or the run failed before it was open, the device is closed and every
+        resource tied to it goes with it; the next run opens a fresh device.
         """
         run, self.run = self.run, None
         if self.dev is None:
             return
+        if run is None:  # failed before its run opened (an interrupt mid-request to the device, say): the
+            # device may be half way through a request of ours, so a wait could never end; start afresh
+            self._reset_device()
+            return
         try:
-            self.dev.synchronize(run.timeout if run is not None else None)
+            self.dev.synchronize(run.timeout)
         except DeviceError:
             self._reset_device()
             return
