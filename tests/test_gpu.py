@@ -48,7 +48,8 @@ def test_prefill_and_mixed_steps_are_graphs_too():
         for mode in ("sync", "async"):
             assert engine.generate(work, mode=mode, cuda_graphs=True, **kw) == eager
         keys = [c["key"] for res in engine.kept.values() for c in res.runner.captures]
-    prefill = [k for k in keys if k[-1]]  # the layout's last field: padded
+    from minibatch.core.batch import LAYOUT_FIELDS  # a graph's key: slot, previous slot, T, K, R, then the layout
+    prefill = [k for k in keys if k[5 + LAYOUT_FIELDS.index("padded")]]
     assert prefill and len(prefill) < len(keys)  # graphs of both kinds
     assert all(k[2] in TOKEN_BUCKETS and k[3] in KEY_BUCKETS for k in prefill)
 
@@ -183,41 +184,68 @@ def test_bf16_sync_and_async_with_graphs_agree():
 
 
 def test_varlen_flat_attention_matches_the_masked_one():
-    """bf16 eager flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end
-    of a chunked prompt) gives the masked SDPA's logits to bf16 rounding; padded to buckets as well (the kernel
-    called directly on a padded batch: the engine keeps the mask there), with no NaN."""
+    """bf16 flat steps take FlashAttention's varlen kernel (attention.py): a mixed step (decode rows, the end
+    of a chunked prompt) gives the masked SDPA's logits to bf16 rounding; padded to buckets as well, eagerly and
+    as a CUDA graph replayed on another step's inputs (other tokens, other cache cells, the same padded shape)."""
+    import dataclasses
+
     from minibatch.core.graphs import StepRunner, pad_flat
     from minibatch.core.scheduler import Scheduler
 
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.bfloat16)
     assert model.flat_attention == "varlen"
     cache = model.make_cache(64, 16)
-    sched = Scheduler(cache.allocator, 64, 8)
-    for i, n in enumerate([40, 7, 30]):
-        sched.add(Request(i, [(5 * i + j) % 200 + 1 for j in range(n)], SamplingParams(max_new_tokens=8)))
     runner = StepRunner(model, cache)
-    plan = sched.schedule()  # 40 + 7 + 17 of 30 tokens: a chunked prompt
-    sched.update(plan, model.next_tokens(runner.build(plan).to("cuda"), cache).tolist())
-    mixed = runner.build(sched.schedule())  # two decode rows and the prompt's last 13 tokens
-    assert not mixed.decode_rows and mixed.num_sampled == 3 and mixed.num_tokens == 15
-    padded = pad_flat(mixed, cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, 8, 4096, 8192)
-    assert padded.padded and padded.num_tokens > mixed.num_tokens
-    got = {}
-    for kind in ("sdpa", "varlen"):
-        model.flat_attention = kind
-        got[kind] = model.logits(mixed.to("cuda"), cache).float()
-    got["padded"] = model.logits(padded.to("cuda"), cache).float()[:3]
-    model.flat_attention = "varlen"
+
+    def mixed_step(seed: int):  # 40 + 7 + 17 of 30 tokens (a chunked prompt), then its mixed step
+        sched = Scheduler(cache.allocator, 64, 8)
+        for i, n in enumerate([40, 7, 30]):
+            sched.add(Request(i, [(5 * i + j + seed) % 200 + 1 for j in range(n)], SamplingParams(max_new_tokens=8)))
+        plan = sched.schedule()
+        sched.update(plan, model.next_tokens(runner.build(plan).to("cuda"), cache).tolist())
+        mixed = runner.build(sched.schedule())  # two decode rows and the prompt's last 13 tokens
+        assert not mixed.decode_rows and mixed.num_sampled == 3 and mixed.num_tokens == 15
+        padded = pad_flat(mixed, cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, 8, 4096, 8192)
+        assert padded.padded and padded.num_tokens > mixed.num_tokens
+        return mixed, padded
+
+    def masked(batch):
+        model.flat_attention = "sdpa"
+        try:
+            return model.logits(batch.to("cuda"), cache).float()
+        finally:
+            model.flat_attention = "varlen"
+
+    mixed, padded = mixed_step(0)
+    got = {"sdpa": masked(mixed), "varlen": model.logits(mixed.to("cuda"), cache).float(),
+           "padded": model.logits(padded.to("cuda"), cache).float()[:3]}
     from minibatch.model import attention  # the padded path of the kernel itself, on a padded batch's layer inputs
     q = torch.randn(1, 32, padded.num_tokens, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(padded.kv_indices.shape[0], 8, 64, device="cuda", dtype=torch.bfloat16)
-    meta = attention.PagedMeta(cache, padded.to("cuda"))
-    out = attention._varlen_attention(q, k, k, meta, None, None)
+    out = attention._varlen_attention(q, k, k, attention.PagedMeta(cache, padded.to("cuda")), None, None)
     assert torch.isfinite(out).all() and (out[0, mixed.num_tokens:] == 0).all()
-    assert all(torch.isfinite(v).all() for v in got.values())
     scale = got["sdpa"].abs().max().item()
     for kind in ("varlen", "padded"):
-        assert (got[kind] - got["sdpa"]).abs().max().item() < 0.05 * scale, kind
+        assert torch.isfinite(got[kind]).all() and (got[kind] - got["sdpa"]).abs().max().item() < 0.05 * scale, kind
+
+    captured = padded.to("cuda")  # the graph's inputs: a later step's are copied into them
+    model.logits(captured, cache)  # warm-up outside the capture, as graphs.StepRunner does
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = model.logits(captured, cache)
+    mixed2, padded2 = mixed_step(7)
+    assert not torch.equal(padded2.cell_mapping, padded.cell_mapping)  # other cells: the graph reads them as data
+    want = masked(mixed2)
+    new = padded2.to("cuda")
+    for f in dataclasses.fields(new):
+        a, b = getattr(captured, f.name), getattr(new, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape, f.name
+            a.copy_(b)
+    graph.replay()
+    got = graphed.float()[:3]
+    assert torch.isfinite(got).all() and (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert (got - masked(mixed)).abs().max().item() > 0.05 * scale  # (the replay did not give the first step back)
 
 
 def test_async_matches_hf_generate_on_gpu():

@@ -25,9 +25,8 @@ chunk against its own keys only (the batch's chunk_starts and key_starts are its
 from the bottom right since a chunk's queries are its keys' last ones. The mask's work grows with
 T x K, the step's tokens times all its keys, the kernel's with each chunk's own; and SDPA with a mask
 may plan anew for every new (T, K), which an eager flat step meets nearly every time (BENCHMARKS.md).
-Flat steps padded to buckets (graphs, graphs.pad_flat) keep the mask for now: their shapes repeat, so
-each plan is built once, and the varlen kernel inside a graph has not been measured on a GPU yet
-(`_varlen_attention` handles padding: its tests are in tests/test_gpu.py).
+Flat steps padded to buckets (graphs.pad_flat, so that they can be CUDA graphs) take it too: its
+offsets are data, its bounds come from the padded shapes (tests/test_gpu.py captures one).
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if b.decode_rows:
         decode = _decode_attention_sdpa if meta.decode_attention == "sdpa" else _decode_attention
         return decode(query, keys, values, meta, window, scaling), None
-    if meta.flat_attention == "varlen" and not b.padded:  # (padded steps: graphs of shapes that repeat, below)
+    if meta.flat_attention == "varlen":
         return _varlen_attention(query, keys, values, meta, window, scaling), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=meta.mask(window),
