@@ -14,6 +14,14 @@ Step 0 starts like the sync loop, in slot A. From then on, each iteration
      and D2H; the compute stream runs it right after batch N, with no host round trip in between;
   3. only then waits for batch N's d2h_done and updates the requests with its tokens.
 
+One exception to that order: a step that is not a CUDA graph, on a GPU (a prefill or mixed step of a
+server, which graphs decode steps only). The host launches its kernels one by one, which takes about
+as long as the GPU takes to run them, so launching it first would hold batch N's tokens, long
+computed, until the launch is over: every stream's next token, and a new request's first, would wait
+one whole extra step. Before such a step the host waits for batch N and updates first (steps 3, then
+2); the GPU idles only for the update, and the carry-over works as before (the batch was planned with
+placeholders). `StepRunner.launch_bound` says which steps those are.
+
 Being one step behind has two consequences, both handled here and in the scheduler:
   * a request that hits EOS in batch N may already sit in batch N+1: `Scheduler.update` drops that
     extra token, so its output stops exactly where the sync loop's does;
@@ -35,7 +43,7 @@ def async_step(run) -> list:
     Returns the requests that finished with batch N.
     """
     scheduler, timeline, in_flight = run.scheduler, run.timeline, run.in_flight
-    launched = None
+    launched, done = None, []
     if scheduler.has_unplanned_work():
         step = scheduler.step
         slot = run.slots[run.launched % len(run.slots)]  # two slots alternate (one: the race of notebook 04)
@@ -43,22 +51,31 @@ def async_step(run) -> list:
             plan = scheduler.schedule()
             if plan.chunks:
                 prev_plan = in_flight[0] if in_flight else None
-                slot.load(run.runner.build(plan), carry_over_mask(prev_plan, plan))
+                batch = run.runner.build(plan)
+                slot.load(batch, carry_over_mask(prev_plan, plan))
         if plan.chunks:
-            launch_step(run.runner, run.streams, slot, in_flight[1] if in_flight else None, step, run.delays)
+            prev_slot = in_flight[1] if in_flight else None
+            if in_flight is not None and run.runner.launch_bound(batch):
+                done, in_flight = _update(run, in_flight), None  # batch N first (the module says why)
+            launch_step(run.runner, run.streams, slot, prev_slot, step, run.delays)
             launched = (plan, slot)
             run.launched += 1
-    if in_flight is None and launched is None:
+    if run.in_flight is None and launched is None:
         raise RuntimeError("the scheduler planned an empty step while nothing is in flight: "
                            "no request can be admitted (is the KV cache too small?)")
-    done = []
     if in_flight is not None:
-        plan_n, slot_n = in_flight
-        with timeline.span("CPU", "wait", plan_n.step, slot_n.index):
-            slot_n.d2h_done.synchronize(run.timeout)  # the loop's one wait on the device
-        with timeline.span("CPU", "update", plan_n.step, slot_n.index):
-            rows = len(plan_n.sampling_chunks)
-            done = scheduler.update(plan_n, slot_n.sampled(rows), slot_n.logprobs(rows))
-        run.stepped(plan_n, done)
+        done = _update(run, in_flight)
     run.in_flight = launched
+    return done
+
+
+def _update(run, in_flight) -> list:
+    """Wait for batch N (the loop's one wait on the device) and update its requests with its tokens."""
+    plan_n, slot_n = in_flight
+    with run.timeline.span("CPU", "wait", plan_n.step, slot_n.index):
+        slot_n.d2h_done.synchronize(run.timeout)
+    with run.timeline.span("CPU", "update", plan_n.step, slot_n.index):
+        rows = len(plan_n.sampling_chunks)
+        done = run.scheduler.update(plan_n, slot_n.sampled(rows), slot_n.logprobs(rows))
+    run.stepped(plan_n, done)
     return done

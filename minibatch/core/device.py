@@ -65,6 +65,9 @@ class Platform:
     compiles = False  # torch.compile's decode step pays for itself (speed/compiled.py)
     padded = False  # steps padded to bucketed shapes (core/buckets.py): few shapes to capture
     own_memory = False  # device memory apart from the host's, counted on its own
+    # an eager step's kernels are launched one by one from the loop's own thread, so its launch takes
+    # about as long as the step runs (a GPU; a CPU backend computes in workers of its own)
+    host_launches = False
     # a model's defaults on this hardware (model/model.py; batch.py says what each does): the
     # attention's key list padded to a multiple of `kv_bucket` keys, decode steps in the [rows, L]
     # key layout, decode rows padded to a multiple of `decode_kv_bucket` keys. A CPU gains nothing by

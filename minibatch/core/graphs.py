@@ -85,10 +85,19 @@ class StepRunner:
             batch = pad_flat(batch, self.cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, max_rows, tokens, keys)
         return batch
 
+    def graphed(self, batch: Batch) -> bool:
+        """Does this batch's step run as a CUDA graph (captured the first time its shape comes up)?"""
+        # (a penalized step's history has a length of its own every step: eager)
+        return self.use_graphs and bool(batch.decode_rows or batch.padded) and not batch.penalized
+
+    def launch_bound(self, batch: Batch) -> bool:
+        """Will launching this batch's step hold the host for about as long as the step runs? (An eager
+        step on a GPU: the async loop then hands over the step before it first, core/async_loop.py.)"""
+        return platform(self.model.device).host_launches and not self.graphed(batch)
+
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""
-        batch = args.batch  # (a penalized step's history has a length of its own every step: eager)
-        if not (self.use_graphs and (batch.decode_rows or batch.padded)) or batch.penalized:
+        if not self.graphed(args.batch):
             forward_step(self.model, self.cache, args, self.compiled)
             return
         graph = self.graphs.get(args.key)

@@ -25,7 +25,7 @@ class CudaPlatform(Platform):
     """A GPU's answers to the core (core/device.py): graphs and compiled steps run, steps are padded
     to bucketed shapes, memory is the GPU's own."""
 
-    graphs = compiles = padded = own_memory = True
+    graphs = compiles = padded = own_memory = host_launches = True
     kv_bucket, decode_layout, decode_kv_bucket = 256, True, 64  # BENCHMARKS.md compares 64 with 256
 
     def free_bytes(self, device: torch.device) -> int:
