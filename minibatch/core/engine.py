@@ -42,6 +42,7 @@ from .timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
 from .config import EngineConfig, RunConfig, Shape, make_config, split_options, with_options
+from .memory import MEMORY_FRACTION, estimate_bytes
 from .sync_loop import sync_step
 
 
@@ -240,11 +241,12 @@ class Engine:
         if shape in self.kept:
             self.kept.move_to_end(shape)
             return self.kept[shape]
-        if len(self.kept) >= self.keep:
-            self.dev.synchronize()  # nothing in flight may still use what we drop
-            while len(self.kept) >= self.keep:
-                self.kept.popitem(last=False)
         model, dev = self.model, self.dev
+        if len(self.kept) >= self.keep or (self.kept and not self._fits(shape)):
+            dev.synchronize()  # nothing in flight may still use what we drop
+            while self.kept and (len(self.kept) >= self.keep or not self._fits(shape)):
+                self.kept.popitem(last=False)
+                platform(model.device).release_cached(model.device)
         compiled = None
         if shape.compiled:
             dynamic = shape.compiled == "dynamic"
@@ -258,6 +260,16 @@ class Engine:
         runner = StepRunner(model, cache, bool(shape.cuda_graphs), compiled, capacity)
         self.kept[shape] = Resources(cache, slots, runner)
         return self.kept[shape]
+
+    def _fits(self, shape: Shape) -> bool:
+        """Does a new resource set of `shape` fit in the device's free memory beside the kept ones? The
+        memory check (make_config) counted the kept caches as free, since they are dropped when not."""
+        can = platform(self.model.device)
+        if not can.own_memory:
+            return True
+        b = estimate_bytes(self.model, shape.num_blocks, shape.max_tokens, shape.max_keys, shape.rows,
+                           shape.block_size, shape.num_slots)
+        return b["kv"] + b["io_dev"] <= MEMORY_FRACTION * can.free_bytes(self.model.device)
 
     def abandon(self) -> None:
         """After a failed or interrupted run: wait for the device (bounded), then drop what the run used.
