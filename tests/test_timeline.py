@@ -167,3 +167,28 @@ def test_gc_pauses_records_full_collections_as_spans_a_window_counts():
     assert window(tl, start, end)["gc_s"] == pytest.approx(spans[0].duration)
     tl.add("CPU", "update", end, end + 0.05, 0)  # host work after the last step does not lengthen it
     assert bursts(tl) == [(start, end)]
+
+
+def test_ttft_breakdown_says_how_long_a_first_token_was_held_after_its_step(tmp_path, capsys):
+    """scripts/ttft_breakdown.py: queued, to first, its step, and "held": from the end of the admitting step's
+    compute to the first token's delivery (the async loop's host launching the next step first)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import ttft_breakdown
+
+    tl = Timeline()
+    for rid, t0, step, held in (("a", 0.0, 1, 0.040), ("b", 5.0, 3, 0.001)):
+        tl.mark(f"request {rid}", tl.t0 + t0)  # (marks take perf_counter seconds, spans the timeline's own)
+        tl.add("CPU", "prepare", t0 + 0.005, t0 + 0.015, step)
+        tl.mark(f"scheduled {rid}", tl.t0 + t0 + 0.010)
+        tl.add("compute", "compute", t0 + 0.020, t0 + 0.060, step)
+        tl.mark(f"first {rid}", tl.t0 + t0 + 0.060 + held)
+    rows = sorted(ttft_breakdown.breakdown(tl), key=lambda r: r["arrival"])
+    assert [r["held_ms"] for r in rows] == [pytest.approx(40.0), pytest.approx(1.0)]
+    assert [(r["queued_ms"], r["step_ms"], r["steps"]) for r in rows] == [(pytest.approx(10.0), pytest.approx(40.0), 1)] * 2
+    assert [len(g) for g in ttft_breakdown.bursts(rows, gap=2.0)] == [1, 1]
+    assert [len(g) for g in ttft_breakdown.bursts(rows, gap=6.0)] == [2]
+    path = tmp_path / "served.json"
+    tl.save(path)
+    ttft_breakdown.main([str(path), "--bursts"])
+    out = capsys.readouterr().out
+    assert out.count("burst ") == 2 and " 40.0 " in out
