@@ -66,8 +66,11 @@ folder=$out/$model-folder
 dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)
 [ -f "$folder/config.json" ] || python3 scripts/gpu/save_random_folder.py "$model" "$folder" --device "$device" \
   --dtype "$dtype" > "$out/save.log" 2>&1 || { tail -5 "$out/save.log"; exit 1; }
-# MAX_BATCH: for NUM_PROMPTS past what fits; MAX_BATCH_TOKENS: the step's token budget (a latency trade-off)
+# MAX_BATCH: for NUM_PROMPTS past what fits; MAX_BATCH_TOKENS: the step's token budget (a latency trade-off);
+# PREFIX_CACHING (default off): bench-serve sends the same prompts at every rate, so with the cache on every
+# rate after the first would find its prompts cached and skip their prefill (on: for --shared-prefix-len)
 limits=(--max-batch-size "${MAX_BATCH:-$n}" --max-batch-tokens "${MAX_BATCH_TOKENS:-2048}")
+serve_limits=("${limits[@]}" --prefix-caching "${PREFIX_CACHING:-off}")
 # shellcheck disable=SC2206  # BENCH_FLAGS: words on purpose
 bench=(--url "$url" --rates "$rates" --num-prompts "$n" --prompt-len "$len" --max-tokens "$len" ${BENCH_FLAGS:-}
        --slo ttft=1000,tpot=50 --out "$out" --no-progress)
@@ -122,7 +125,7 @@ ours() {  # ours LABEL RATES SERVE-FLAGS...
   local base=$1 label=$1${TAG:-} r=$2; shift 2
   echo "== $label ($(date -u +%H:%M:%S))"
   # shellcheck disable=SC2086  # SERVE_FLAGS: words on purpose
-  start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${limits[@]}" "$@" \
+  start "$label" python3 -m minibatch serve --model "$folder" --device "$device" --port "$port" "${serve_limits[@]}" "$@" \
     --timeline "$out/timeline-${label//+/-}.json" ${SERVE_FLAGS:-} || return 1
   [ "$r" = none ] || sends "$label" "$r" --processes "$clients"
   if [ "$r" != none ] && want warm; then  # the same server: a warm pass, then rate inf
