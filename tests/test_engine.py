@@ -142,22 +142,27 @@ def test_engine_keeps_the_least_recently_used_shapes(random_llama):
 def test_a_new_shape_drops_kept_resources_that_leave_it_no_room(random_llama, monkeypatch):
     """The memory check counts an engine's kept caches as free (they are dropped when a new shape needs the
     room): so a new shape's resources must not be allocated beside kept ones that leave no room for them.
-    A device with memory of its own for one and a half resource sets: the second shape evicts the first."""
-    from minibatch.core import engine as engine_module
+    A device with memory of its own that holds the new set and half the kept one: the kept set goes."""
+    from minibatch.core import memory
 
+    with minibatch.Engine(random_llama) as other:  # the async run's shape, and what a set of it needs
+        other.generate(WORK, **{**KW, "mode": "async"})
+        shape = next(iter(other.kept))
+    b = memory.estimate_bytes(random_llama, shape.num_blocks, shape.max_tokens, shape.max_keys, shape.rows,
+                              shape.block_size, shape.num_slots)
     with minibatch.Engine(random_llama) as engine:
         ref = engine.generate(WORK, **KW)
-        one = engine.kept_bytes
+        room = (b["kv"] + b["io_dev"]) / memory.MEMORY_FRACTION + engine.kept_bytes / 2
 
-        class RoomForOneAndAHalf(type(engine_module.platform(random_llama.device))):
+        class Room(type(memory.platform(random_llama.device))):
             own_memory = True
 
             def free_bytes(self, device):
-                return int(1.5 * one) - engine.kept_bytes
+                return int(room) - engine.kept_bytes
 
-        monkeypatch.setattr(engine_module, "platform", lambda device: RoomForOneAndAHalf())
+        monkeypatch.setattr(memory, "platform", lambda device: Room())
         assert engine.generate(WORK, **{**KW, "mode": "async"}) == ref  # another shape: two IO slots
-        assert len(engine.kept) == 1 and next(iter(engine.kept)).num_slots == 2
+        assert list(engine.kept) == [shape]
 
 
 def test_a_failed_run_drops_its_resources(random_llama, monkeypatch):

@@ -42,7 +42,7 @@ from .timeline import Timeline
 from .async_loop import async_step
 from .checks import check_prompts, check_run
 from .config import EngineConfig, RunConfig, Shape, make_config, split_options, with_options
-from .memory import MEMORY_FRACTION, estimate_bytes
+from .memory import fits_beside
 from .sync_loop import sync_step
 
 
@@ -236,15 +236,16 @@ class Engine:
         return self.dev
 
     def _resources(self, shape: Shape) -> Resources:
-        """The kept resources of this shape (most recently used now), or new ones; the least recently
-        used set beyond `keep` is dropped, after the device has finished with it."""
+        """The kept resources of this shape (most recently used now), or new ones. The least recently used
+        sets go beyond `keep`, and where a new set needs their room (the memory check counted them as
+        free), after the device has finished with them."""
         if shape in self.kept:
             self.kept.move_to_end(shape)
             return self.kept[shape]
         model, dev = self.model, self.dev
-        if len(self.kept) >= self.keep or (self.kept and not self._fits(shape)):
+        if len(self.kept) >= self.keep or (self.kept and not fits_beside(model, shape)):
             dev.synchronize()  # nothing in flight may still use what we drop
-            while self.kept and (len(self.kept) >= self.keep or not self._fits(shape)):
+            while self.kept and (len(self.kept) >= self.keep or not fits_beside(model, shape)):
                 self.kept.popitem(last=False)
                 platform(model.device).release_cached(model.device)
         compiled = None
@@ -260,16 +261,6 @@ class Engine:
         runner = StepRunner(model, cache, bool(shape.cuda_graphs), compiled, capacity)
         self.kept[shape] = Resources(cache, slots, runner)
         return self.kept[shape]
-
-    def _fits(self, shape: Shape) -> bool:
-        """Does a new resource set of `shape` fit in the device's free memory beside the kept ones? The
-        memory check (make_config) counted the kept caches as free, since they are dropped when not."""
-        can = platform(self.model.device)
-        if not can.own_memory:
-            return True
-        b = estimate_bytes(self.model, shape.num_blocks, shape.max_tokens, shape.max_keys, shape.rows,
-                           shape.block_size, shape.num_slots)
-        return b["kv"] + b["io_dev"] <= MEMORY_FRACTION * can.free_bytes(self.model.device)
 
     def abandon(self) -> None:
         """After a failed or interrupted run: wait for the device (bounded), then drop what the run used.

@@ -71,6 +71,17 @@ def available_bytes(device: torch.device) -> tuple[int, int]:
     return (host if own is None else own), host
 
 
+def fits_beside(model, shape) -> bool:
+    """Does a new resource set of `shape` (a config.Shape) fit in the device's free memory as it is now,
+    beside what an engine keeps? Always, where the device uses host memory (checked by check_memory)."""
+    can = platform(model.device)
+    if not can.own_memory:
+        return True
+    b = estimate_bytes(model, shape.num_blocks, shape.max_tokens, shape.max_keys, shape.rows, shape.block_size,
+                       shape.num_slots)
+    return b["kv"] + b["io_dev"] <= MEMORY_FRACTION * can.free_bytes(model.device)
+
+
 def check_memory(model, shape, given_blocks: bool = True, reusable: int = 0) -> None:
     """Refuse a run whose KV cache and IO slots (the sizes of `shape`, a config.Shape) cannot fit in free
     memory, naming the sizes and arguments. `given_blocks`: num_blocks was the caller's, not computed.
