@@ -272,8 +272,7 @@ class Engine:
         run, self.run = self.run, None
         if self.dev is None:
             return
-        if run is None:  # failed before its run opened (an interrupt mid-request to the device, say): the
-            # device may be half way through a request of ours, so a wait could never end; start afresh
+        if run is None:  # failed before it opened, maybe mid-request to the device: a wait might never end
             self._reset_device()
             return
         try:
