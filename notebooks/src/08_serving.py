@@ -258,6 +258,61 @@ for when in ("before", "after"):
     for line in open(f"{RUN}/{when}/ttft.txt"):
         if line.startswith("timeline-sync"):
             print(f"{when:7}", line.rstrip())
+
+# %% [markdown]
+# ### A first token held back by the next launch
+#
+# With the faster attention, the async server still gave its newcomers their first token later than
+# the sync one did, at 16 and 32 requests per second (BENCHMARKS.md, "Serving latency"). The timeline
+# of that run says where: below, one request of the async server at 16 requests per second. Its step
+# (the long compute span) ends, and its first token is delivered only about fifty milliseconds later.
+# In between, the host launched the *next* step, another eager one with a newcomer's prompt in it,
+# kernel by kernel, and only then waited for the step that held the token. That is the async loop's
+# order, launch N+1 and then wait for N, which pays when a launch takes a moment (a CUDA graph) and
+# costs a whole step when the launch itself lasts as long as the step. Every stream's token of that
+# step waited the same way.
+
+# %%
+HELD = "../figures/data/runs/gpu_serving_held_tokens_2026-12-03"
+tl = Timeline.load(f"{HELD}/async/timeline-async.json.gz")
+moments = tl.request_marks()["89"]  # a request of the rate-16 burst
+admitting = next(s.step for s in tl.spans if s.name == "prepare" and s.start <= moments["scheduled"] <= s.end)
+done = next(s.end for s in tl.spans if s.lane == "compute" and s.step == admitting)
+print(f"admitted -> its step done {1e3 * (done - moments['scheduled']):.0f} ms, then held "
+      f"{1e3 * (moments['first'] - done):.0f} ms until its first token was delivered")
+start, end = moments["scheduled"] - 0.015, moments["first"] + 0.01
+fig, ax = plt.subplots(figsize=(10, 2.6))
+tl.plot(ax, start=start, end=end, step_labels=True)
+ax.axvspan(done - start, moments["first"] - start, color="#C44E52", alpha=0.15, label="token held")
+for kind, colour, label in (("scheduled", "#4C72B0", "admitted"), ("first", "#C44E52", "first token")):
+    ax.axvline(moments[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
+ax.legend(loc="lower right", fontsize=7, ncol=3)
+ax.set_title("async, 8B on an H200: the first token waits while the next eager step is launched")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_held_token_gpu.png", dpi=110)
+
+# %% [markdown]
+# `ttft_breakdown.py --bursts` counts it for every request ("held": from the end of the request's step
+# to its first token), per rate. Sync waits for each step right after launching it, so its tokens are
+# never held:
+
+# %%
+import re
+
+print(f"{'(medians, ms)':34} {'to first token':>14} {'its step':>9} {'held':>6}")
+for line in open(f"{HELD}/ttft.txt"):  # bursts 3 and 4: 16 and 32 requests per second
+    if line.startswith("timeline-") or "burst 3 " in line or "burst 4 " in line:
+        n = re.findall(r"nan|[\d.]+", line[34:])  # requests, then (median, 90th percentile) of each column
+        print(f"{line[:34]} {n[3]:>14} {n[7]:>9} {n[9]:>6}")
+
+# %% [markdown]
+# So the async loop now keeps its order only where launching is quick. Before a step that the host
+# launches kernel by kernel (on a GPU, a step that is not a CUDA graph: `StepRunner.launch_bound`), it
+# first waits for batch N and hands out its tokens, then launches N+1: the GPU idles for the update
+# alone, since it would have waited for those kernels anyway, and the carry-over still works, because
+# batch N+1 was planned with placeholders before the wait. `minibatch/core/async_loop.py` has the two
+# orders side by side.
+#
 #
 # ## 5. Over HTTP
 #
