@@ -228,15 +228,24 @@ typical = sorted(compute.values())[len(compute) // 2]
 print(f"queued {1e3 * (moments['scheduled'] - moments['request']):.1f} ms, admitted -> first token "
       f"{1e3 * (moments['first'] - moments['scheduled']):.1f} ms; the step that holds its prompt (step {admitting}) "
       f"computes {1e3 * compute[admitting]:.1f} ms, a typical step {1e3 * typical:.1f} ms")
-start, end = moments["request"] - 0.025, moments["first"] + 0.015
-fig, ax = plt.subplots(figsize=(10, 2.6))
-tl.plot(ax, start=start, end=end, step_labels=True)
-for kind, colour, label in (("scheduled", "#4C72B0", "admitted"), ("first", "#C44E52", "first token")):
-    ax.axvline(moments[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
-ax.legend(loc="lower right", fontsize=7, ncol=3)
-ax.set_title("one request's time to first token, 8B on an H200 (attention with a mask)")
-fig.tight_layout()
-fig.savefig(f"{FIGURES}/08_ttft_timeline.png", dpi=110)
+
+
+def request_timeline(tl, moments, start, end, title, png, held=None):
+    """The timeline from start to end, with a request's admission and first token (and a held span) marked."""
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    tl.plot(ax, start=start, end=end, step_labels=True)
+    if held:
+        ax.axvspan(held[0] - start, held[1] - start, color="#C44E52", alpha=0.15, label="token held")
+    for kind, colour, label in (("scheduled", "#4C72B0", "admitted"), ("first", "#C44E52", "first token")):
+        ax.axvline(moments[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
+    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(f"{FIGURES}/{png}", dpi=110)
+
+
+request_timeline(tl, moments, moments["request"] - 0.025, moments["first"] + 0.015,
+                 "one request's time to first token, 8B on an H200 (attention with a mask)", "08_ttft_timeline.png")
 
 # %% [markdown]
 # The loop admitted it within two milliseconds; the time went into the step that holds its prompt,
@@ -280,16 +289,9 @@ admitting = next(s.step for s in tl.spans if s.name == "prepare" and s.start <= 
 done = next(s.end for s in tl.spans if s.lane == "compute" and s.step == admitting)
 print(f"admitted -> its step done {1e3 * (done - moments['scheduled']):.0f} ms, then held "
       f"{1e3 * (moments['first'] - done):.0f} ms until its first token was delivered")
-start, end = moments["scheduled"] - 0.015, moments["first"] + 0.01
-fig, ax = plt.subplots(figsize=(10, 2.6))
-tl.plot(ax, start=start, end=end, step_labels=True)
-ax.axvspan(done - start, moments["first"] - start, color="#C44E52", alpha=0.15, label="token held")
-for kind, colour, label in (("scheduled", "#4C72B0", "admitted"), ("first", "#C44E52", "first token")):
-    ax.axvline(moments[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
-ax.legend(loc="lower right", fontsize=7, ncol=3)
-ax.set_title("async, 8B on an H200: the first token waits while the next eager step is launched")
-fig.tight_layout()
-fig.savefig(f"{FIGURES}/08_held_token_gpu.png", dpi=110)
+request_timeline(tl, moments, moments["scheduled"] - 0.015, moments["first"] + 0.01,
+                 "async, 8B on an H200: the first token waits while the next eager step is launched",
+                 "08_held_token_gpu.png", held=(done, moments["first"]))
 
 # %% [markdown]
 # `ttft_breakdown.py --bursts` counts it for every request ("held": from the end of the request's step
