@@ -102,7 +102,7 @@ def test_before_a_launch_bound_step_the_host_takes_batch_n_first(random_llama, m
 
     events = []
 
-    def bound(self, batch):
+    def bound(self, batch, key):
         events.append(("asked", batch.num_tokens > batch.num_sampled))
         return events[-1][1]
 

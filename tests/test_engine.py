@@ -238,3 +238,26 @@ def test_offline_runs_refuse_stop_strings(tiny):
         minibatch.generate(tiny, ["The for statement"], max_new_tokens=8, stop="\n")
     with minibatch.Engine(tiny) as engine, pytest.raises(ValueError, match="stop strings"):
         engine.start([Request(0, [1, 2, 3], SamplingParams(max_new_tokens=4, stop=("x",)))])
+
+
+def test_launch_bound_steps_are_the_eager_ones_and_the_graphs_still_to_capture(random_llama, monkeypatch):
+    """StepRunner.launch_bound, which the async loop asks before each launch: only where the host launches
+    the kernels itself (a GPU), for a step that runs eagerly or whose graph is not captured yet."""
+    from types import SimpleNamespace
+
+    from minibatch.core import graphs
+
+    runner = graphs.StepRunner(random_llama, random_llama.make_cache(8, 4))
+    decode, flat = (SimpleNamespace(decode_rows=r, padded=False, penalized=False) for r in (4, 0))
+    assert not runner.launch_bound(decode, "key")  # the cpu device computes in workers of its own
+
+    class HostLaunches(type(graphs.platform(random_llama.device))):
+        host_launches = True
+
+    monkeypatch.setattr(graphs, "platform", lambda device: HostLaunches())
+    assert runner.launch_bound(decode, "key")  # eager: no graphs in this runner
+    runner.use_graphs = True
+    assert runner.launch_bound(decode, "key")  # a graph, still to capture
+    runner.graphs["key"] = object()
+    assert not runner.launch_bound(decode, "key")  # a replay: one launch
+    assert runner.launch_bound(flat, "key")  # unpadded flat steps run eagerly, graphs or not

@@ -15,10 +15,10 @@ Step 0 starts like the sync loop, in slot A. From then on, each iteration
   3. only then waits for batch N's d2h_done and updates the requests with its tokens.
 
 One exception to that order: a step that is not a CUDA graph, on a GPU (a prefill or mixed step of a
-server, which graphs decode steps only). The host launches its kernels one by one, which takes about
-as long as the GPU takes to run them, so launching it first would hold batch N's tokens, long
-computed, until the launch is over: every stream's next token, and a new request's first, would wait
-one whole extra step. Before such a step the host waits for batch N and updates first (steps 3, then
+server, which graphs decode steps only), or one whose graph is still to capture. The host launches its
+kernels one by one, which takes about as long as the GPU takes to run them (a capture, longer), so
+launching it first would hold batch N's tokens, long computed, until the launch is over: every
+stream's next token, and a new request's first, would wait one whole extra step. Before such a step the host waits for batch N and updates first (steps 3, then
 2); the GPU idles only for the update, and the carry-over works as before (the batch was planned with
 placeholders). `StepRunner.launch_bound` says which steps those are.
 
@@ -55,7 +55,7 @@ def async_step(run) -> list:
                 slot.load(batch, carry_over_mask(prev_plan, plan))
         if plan.chunks:
             prev_slot = in_flight[1] if in_flight else None
-            if in_flight is not None and run.runner.launch_bound(batch):
+            if in_flight is not None and run.runner.launch_bound(batch, slot.key(prev_slot)):
                 done, in_flight = _update(run, in_flight), None  # batch N first (the module says why)
             launch_step(run.runner, run.streams, slot, prev_slot, step, run.delays)
             launched = (plan, slot)

@@ -90,10 +90,11 @@ class StepRunner:
         # (a penalized step's history has a length of its own every step: eager)
         return self.use_graphs and bool(batch.decode_rows or batch.padded) and not batch.penalized
 
-    def launch_bound(self, batch: Batch) -> bool:
-        """Will launching this batch's step hold the host for about as long as the step runs? (An eager
-        step on a GPU: the async loop then hands over the step before it first, core/async_loop.py.)"""
-        return platform(self.model.device).host_launches and not self.graphed(batch)
+    def launch_bound(self, batch: Batch, key: tuple) -> bool:
+        """Will launching this batch's step (graph key `key`) hold the host for about as long as the step
+        runs, or longer? On a GPU: an eager step, or a graph still to capture. The async loop then hands
+        over the step before it first (core/async_loop.py)."""
+        return platform(self.model.device).host_launches and (not self.graphed(batch) or key not in self.graphs)
 
     def __call__(self, args: StepArgs) -> None:
         """Compute work of one step (called on the compute stream)."""

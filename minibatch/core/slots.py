@@ -121,6 +121,10 @@ class IOSlot:
         """
         return bound_args(self.buffers, prev and prev.buffers, self.used(), tuple(self.layout.items()))
 
+    def key(self, prev: "IOSlot | None") -> tuple:
+        """The loaded step's CUDA graph key (StepArgs.key), without binding its arguments."""
+        return graph_key(self.index, None if prev is None else prev.index, self.sizes, tuple(self.layout.items()))
+
     def sampled(self, rows: int) -> list[int]:
         """The first `rows` sampled ids on the host (only after d2h_done)."""
         return self.out_host[:rows].tolist()
@@ -197,6 +201,10 @@ def bound_args(buffers: SlotBuffers, prev: SlotBuffers | None, used: tuple, layo
         source=(prev or buffers).out_dev,  # sync loop: no previous slot, and the mask is all -1
         carry=dev["carry"], out=buffers.out_dev, lp_values=dev["lp_values"], lp_ids=dev["lp_ids"],
         batch=Batch(**views, **dict(layout)),
-        key=(buffers.index, None if prev is None else prev.index, n, sizes["kv_indices"], sizes["logits_indices"],
-             *(v for _, v in layout)),
+        key=graph_key(buffers.index, None if prev is None else prev.index, sizes, layout),
     )
+
+
+def graph_key(index: int, prev: int | None, sizes: dict, layout: tuple) -> tuple:
+    """(slot, previous slot, tokens, keys, sampled rows, layout values): one CUDA graph per key."""
+    return (index, prev, sizes["input_ids"], sizes["kv_indices"], sizes["logits_indices"], *(v for _, v in layout))
