@@ -130,6 +130,42 @@ def test_no_token_after_the_end_reaches_a_stream(tiny, mode):
     assert by_length.token_ids == ref[:7] and by_length.finish_reason == "length"
 
 
+def test_tokens_reach_their_streams_before_a_launch_bound_step_launches(tiny, monkeypatch):
+    """A serving async loop delivers batch N's tokens the moment it applies them: before a launch-bound
+    step (an eager step on a GPU) launches, each stream already holds them, first tokens included.
+    Made to happen on the CPU by calling every step with prompt tokens launch-bound; the tokens are
+    those of each request alone, and every other step still launches before it delivers."""
+    from minibatch.core import async_loop
+    from minibatch.core.graphs import StepRunner
+    from minibatch.serving.loop import ServingLoop
+
+    events = []
+
+    def bound(self, batch, key):
+        events.append(("asked", batch.num_tokens > batch.num_sampled))
+        return events[-1][1]
+
+    launch, deliver = async_loop.launch_step, ServingLoop.deliver
+    monkeypatch.setattr(StepRunner, "launch_bound", bound)
+    monkeypatch.setattr(async_loop, "launch_step", lambda *a: (events.append(("launch", a[4])), launch(*a))[1])
+    monkeypatch.setattr(ServingLoop, "deliver",
+                        lambda self, plan: (events.append(("deliver", plan.step)), deliver(self, plan))[1])
+    with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=4, max_batch_tokens=8) as server:
+        # prompts of ~20 tokens against an 8-token budget: prompt chunks are planned with a batch in flight
+        streams = [server.submit(p, max_new_tokens=12) for p in PROMPTS[:4]]
+        for s in streams:
+            s.wait(30)
+    for p, s in zip(PROMPTS[:4], streams):
+        assert s.token_ids == alone(tiny, p, max_new_tokens=12)
+    asked = [i for i, e in enumerate(events) if e[0] == "asked"]
+    assert {events[i][1] for i in asked} == {True, False}  # both kinds of step came with a batch in flight
+    for i in asked:
+        launched = next(e[1] for e in events[i:] if e[0] == "launch")  # step N+1
+        before = events[i + 1:events.index(("launch", launched), i)]
+        # launch-bound: batch N's tokens are in their streams before N+1 launches; else they follow it
+        assert (("deliver", launched - 1) in before) == events[i][1], (events[i], before)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_cancel_lets_at_most_the_step_in_progress_through(tiny, mode):
     """Slow steps (an injected delay), so that the cancel lands while a step runs: after cancel()

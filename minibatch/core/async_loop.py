@@ -18,9 +18,10 @@ One exception to that order: a step that is not a CUDA graph, on a GPU (a prefil
 server, which graphs decode steps only), or one whose graph is still to capture. The host launches its
 kernels one by one, which takes about as long as the GPU takes to run them (a capture, longer), so
 launching it first would hold batch N's tokens, long computed, until the launch is over: every
-stream's next token, and a new request's first, would wait one whole extra step. Before such a step the host waits for batch N and updates first (steps 3, then
-2); the GPU idles only for the update, and the carry-over works as before (the batch was planned with
-placeholders). `StepRunner.launch_bound` says which steps those are.
+stream's next token, and a new request's first, would wait one whole extra step. Before such a step
+the host waits for batch N and updates first (steps 3, then 2); the GPU idles only for the update,
+and the carry-over works as before (the batch was planned with placeholders). `StepRunner.launch_bound` says which steps those are. A run with one slot keeps the
+plain order always: it exists to show notebook 04's race, which updating first would hide.
 
 Being one step behind has two consequences, both handled here and in the scheduler:
   * a request that hits EOS in batch N may already sit in batch N+1: `Scheduler.update` drops that
@@ -55,7 +56,9 @@ def async_step(run) -> list:
                 slot.load(batch, carry_over_mask(prev_plan, plan))
         if plan.chunks:
             prev_slot = in_flight[1] if in_flight else None
-            if in_flight is not None and run.runner.launch_bound(batch, slot.key(prev_slot)):
+            update_first = (in_flight is not None and len(run.slots) > 1  # (one slot: notebook 04's race)
+                            and run.runner.launch_bound(batch, slot.key(prev_slot)))
+            if update_first:
                 done, in_flight = _update(run, in_flight), None  # batch N first (the module says why)
             launch_step(run.runner, run.streams, slot, prev_slot, step, run.delays)
             launched = (plan, slot)

@@ -11,11 +11,14 @@ A plug-in: the core's Engine knows nothing of it. `Serving` holds the engine for
 
     take what arrived ─▶ scheduler.add, and honour cancels     (under the lock, at a step boundary)
     one step           ─▶ engine.step(): sync_step or async_step (schedule → launch → wait → update)
-    deliver            ─▶ the tokens that step applied (run.applied) to their TokenStreams; stop
+      deliver          ─▶ as the step applies a batch's tokens: them to their TokenStreams; stop
                           strings end requests here
 
-The loop calls the engine, never the reverse: a step leaves the plan whose tokens it applied in
-`run.applied`, and the loop reads it when the step returns. The loop's thread turns for as long as
+Tokens are delivered from inside the step, through the run's `on_step` hook, the moment the update
+has applied them, not when `engine.step()` returns: an async step may still have a launch to do
+after its update (async_loop.py: a step that is no CUDA graph updates first, then launches its
+kernels one by one), and a first token held behind that launch would add a whole step to TTFT. The
+hook is the engine's only call into the loop. The loop's thread turns for as long as
 the `with` block lasts, so that `submit` can hand it requests from any thread at any moment; with
 nothing to do it sleeps on a condition (it never spins) and `submit` wakes it. An offline `generate`
 needs none of this: it steps the engine in the calling thread until its requests are done.
@@ -62,6 +65,7 @@ class ServingLoop:
         self._cpu_s = 0.0  # CPU seconds of the background thread as of its last turn (see cpu_s)
         self._clock: int | None = None  # that thread's CPU clock, where the OS lends one
         self.rids = itertools.count()
+        run.on_step = self._stepped  # tokens reach their streams as the update applies them (see the module)
 
     # --- callers (any thread) ---------------------------------------------------------------------
     def submit(self, request: Request, stream: TokenStream, tokenizer) -> TokenStream:
@@ -90,14 +94,11 @@ class ServingLoop:
 
     # --- the loop (one thread) --------------------------------------------------------------------
     def turn(self) -> int:
-        """Take what arrived, run one step if there is work, deliver the tokens it applied. Returns how
-        many requests finished."""
+        """Take what arrived, run one step if there is work (its tokens are delivered as it applies
+        them: `_stepped`). Returns how many requests finished."""
         self._take_arrivals()
         if self.run.scheduler.has_work():
             self.engine.step()
-            applied, self.run.applied = self.run.applied, None
-            if applied is not None:  # (an async loop's first step launches, and applies nothing yet)
-                self.deliver(applied)
         finished = self.run.scheduler.finished
         n = len(finished)
         finished.clear()  # the streams and the callers hold what they need
@@ -118,8 +119,11 @@ class ServingLoop:
             if scheduler.finish(request, "cancelled"):
                 self._end(request, stream, Chunk([], "", "cancelled"))
 
+    def _stepped(self, plan, done) -> None:  # run.on_step: a step has applied `plan`'s tokens
+        self.deliver(plan)
+
     def deliver(self, plan) -> None:
-        """After a step: each online request's new tokens from `plan` to its stream; the event loops
+        """As a step applies a batch: each online request's new tokens from `plan` to its stream; the event loops
         reading them are woken once, at the end (stream.Wakeups)."""
         wakeups = Wakeups()
         try:

@@ -80,10 +80,13 @@ print("".join(a), "".join(b))
 
 # %% [markdown]
 # The package does the same with the real loop (`minibatch/serving/loop.py`): a turn takes what
-# arrived and honours cancels, runs one `engine.step()` (the `sync_step` or `async_step` of the
-# earlier chapters), and delivers the tokens that step applied to each request's `TokenStream`
-# (`minibatch/serving/stream.py`). It is a plug-in: the engine of the earlier chapters does not know
-# it exists; the loop calls the engine, never the reverse. The engine is sized once for the whole
+# arrived and honours cancels, and runs one `engine.step()` (the `sync_step` or `async_step` of the
+# earlier chapters); the moment that step's update has applied a batch's tokens, they go to each
+# request's `TokenStream` (`minibatch/serving/stream.py`). It is a plug-in: the engine of the earlier
+# chapters does not know it exists; it calls the run's `on_step` hook (the one `generate(on_step=...)`
+# offers), and the loop hangs its delivery there. Why not deliver after `engine.step()` returns? An
+# async step may still launch a batch after its update, and a first token held behind that launch
+# waits a whole step longer. The engine is sized once for the whole
 # serving context, for `max_batch_size` requests of the model's context: its KV cache, IO slots and
 # (on a GPU) CUDA graphs serve every request that comes.
 #
