@@ -1,6 +1,6 @@
 """Where a serving run's time went, burst by burst, from a timeline file.
 
-    python scripts/timeline_bursts.py TIMELINE.json [TIMELINE.json.gz ...] [--quiet 0.5] [--longest N]
+    python scripts/timeline_bursts.py TIMELINE.json [TIMELINE.json.gz ...] [--quiet 0.5] [--longest N] [--over MS]
 
 TIMELINE.json: what `python -m minibatch serve --timeline FILE` writes as the server stops, or a
 `bench --out` timeline (an offline run: one window over the whole file). A burst runs from the first
@@ -11,7 +11,10 @@ full garbage collections where the timeline recorded them (`serve --timeline` do
 rate-inf burst of the server beside the offline run of the same workload: more steps, longer steps
 or an idle device each point at a different cause. `--longest N` lists each burst's N longest
 compute spans (step number, start, milliseconds): where a burst's time per step is high, whether a
-few steps or all of them are to blame.
+few steps or all of them are to blame. `--over MS` counts, per burst and in the whole file, the compute
+spans longer than MS milliseconds: set the whole-file count beside the server's `graph_captures` (its
+stop line) to see whether the longest steps are the CUDA graph captures (a capture's compute span holds
+the warm-up run, the capture and the replay).
 """
 
 from __future__ import annotations
@@ -43,11 +46,18 @@ def longest(timeline: Timeline, start: float, end: float, n: int) -> list[tuple[
     return [(s.step, s.start, 1000 * s.duration) for s in spans[:n]]
 
 
+def over(timeline: Timeline, start: float, end: float, ms: float) -> int:
+    """How many compute spans that start in [start, end) last longer than `ms` milliseconds."""
+    return sum(1 for s in timeline.spans if s.lane == "compute" and start <= s.start < end and s.duration * 1000 > ms)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+")
     p.add_argument("--quiet", type=float, default=0.5, help="seconds of nothing that end a burst")
     p.add_argument("--longest", type=int, default=0, metavar="N", help="list each burst's N longest compute spans")
+    p.add_argument("--over", type=float, default=None, metavar="MS",
+                   help="count the compute spans longer than MS milliseconds, per burst and in the whole file")
     args = p.parse_args(argv)
     for f in args.files:
         print(f)
@@ -61,6 +71,11 @@ def main(argv=None) -> None:
             if args.longest:
                 top = longest(timeline, r["start_s"], r["start_s"] + r["wall_s"], args.longest)
                 print("          longest compute: " + ", ".join(f"step {k} {ms:.1f} ms" for k, _, ms in top))
+            if args.over is not None:
+                print(f"          compute spans over {args.over:g} ms: "
+                      f"{over(timeline, r['start_s'], r['start_s'] + r['wall_s'], args.over)}")
+        if args.over is not None:
+            print(f"whole file: {over(timeline, float('-inf'), float('inf'), args.over)} compute spans over {args.over:g} ms")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,9 @@ def test_timeline_bursts_script_lists_the_longest_steps_of_each_burst_from_a_gzi
     # the first burst now runs to the long step's end (its four 50 ms steps tie, up to rounding)
     assert listed[0].startswith("step 6 185.0 ms, step ") and listed[0].endswith(" 50.0 ms")
     assert listed[1:] == ["step 4 50.0 ms, step 5 40.0 ms"]
+    timeline_bursts.main([str(path), "--over", "45"])
+    counts = [line.strip() for line in capsys.readouterr().out.splitlines() if "over 45 ms" in line]
+    assert counts == ["compute spans over 45 ms: 5", "compute spans over 45 ms: 1", "whole file: 6 compute spans over 45 ms"]
     tl.save(tmp_path / "again.json.gz")  # save gzips a .gz name too
     with gzip.open(tmp_path / "again.json.gz", "rt") as f:
         assert json.load(f) == tl.to_dict()
