@@ -407,3 +407,26 @@ def test_the_cpu_device_runs_as_threads_once_cuda_has_started():
         d.stream("a").launch(x.add_, 2)
         d.synchronize(timeout=10)
         assert x.tolist() == [3]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_decode_graphs_captured_at_start_up_serve_every_decode_step(mode):
+    """Serving(capture_up_to=N) captures the decode graphs of requests up to N tokens before the first
+    request: then requests within N tokens, greedy and sampled, capture nothing more, and give the
+    tokens they give offline."""
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
+    work = prompts(6, model.vocab_size, seed=3)  # prompts of 1-39 tokens, 20 new: within 64
+    kw = dict(max_batch_size=4, max_batch_tokens=64)
+    with minibatch.Engine(model) as engine:
+        with Serving(engine, mode, capture_up_to=64, **kw) as server:
+            started = server.stats()
+            streams = [server.submit(p, max_new_tokens=20, temperature=0.8 * (i % 2), seed=i) for i, p in enumerate(work)]
+            outs = [s.wait(60).token_ids for s in streams]
+            stats = server.stats()
+    pairs = 1 if mode == "sync" else 2
+    rows, widths = 3, 64 // model.decode_kv_bucket  # row buckets 1, 2, 4 (max_batch_size 4)
+    assert started["startup_graph_captures"] == started["graph_captures"] == pairs * rows * widths * 2, started
+    assert stats["graph_captures"] == started["graph_captures"], (started, stats)  # nothing captured on the way
+    for i, (p, out) in enumerate(zip(work, outs)):
+        assert out == minibatch.generate(model, [p], max_new_tokens=20, temperature=0.8 * (i % 2), seed=i,
+                                         cuda_graphs=False)[0]

@@ -37,6 +37,7 @@ import time
 from collections import deque
 
 from ..core.checks import check_prompts
+from ..core.device import platform
 from ..core.config import EngineConfig, serving_config, split_options, with_options
 from ..core.requests import Request, RequestState, SamplingParams
 from ..core.timeline import ARRIVAL, Timeline
@@ -248,15 +249,25 @@ class Serving:
     cache, IO slots and CUDA graphs serve every request. `config` and `options` are generate's run
     options (EngineConfig), except that CUDA graphs default to decode steps only (serving_config
     says why). The loop is `mode` if given, else `config.mode` if a config is given, else "async".
-    `max_queue` bounds the requests waiting for a seat (submit raises QueueFull beyond it). Bad
-    options raise as the Serving is made; the run is sized and checked against free memory as the
-    block is entered. Leaving the block ends every open stream ("cancelled") and joins the thread.
+    `max_queue` bounds the requests waiting for a seat (submit raises QueueFull beyond it).
+    `capture_up_to` (tokens; 0: off) captures, as the block is entered and before any request, the
+    decode CUDA graphs of requests up to that many tokens (speed/startup_graphs.py: no capture on a
+    request's path; a GPU run with CUDA graphs only). Bad options raise as the Serving is made; the
+    run is sized and checked against free memory as the block is entered. Leaving the block ends
+    every open stream ("cancelled") and joins the thread.
     """
 
     def __init__(self, engine, mode: str | None = None, config: EngineConfig | None = None, *,
-                 max_queue: int | None = None, timeline: Timeline | None = None, **options) -> None:
+                 max_queue: int | None = None, timeline: Timeline | None = None, capture_up_to: int = 0,
+                 **options) -> None:
         mode = mode or (config.mode if config is not None else "async")
-        self.engine, self.max_queue = engine, max_queue
+        if not isinstance(capture_up_to, int) or isinstance(capture_up_to, bool) or capture_up_to < 0:
+            raise ValueError(f"capture_up_to must be a number of tokens >= 0 (0: off), got {capture_up_to!r}")
+        if capture_up_to and not platform(engine.model.device).graphs:
+            raise ValueError("capture_up_to captures CUDA graphs, which need a CUDA device; this model is on "
+                             f"{engine.model.device}")
+        self.engine, self.max_queue, self.capture_up_to = engine, max_queue, capture_up_to
+        self.startup_captures = 0
         self.config = with_options(EngineConfig, config, {**options, "mode": mode}, "Serving()")
         self.timeline = timeline if timeline is not None else Timeline(limit=TIMELINE_LIMIT)
         self.loop: ServingLoop | None = None
@@ -268,9 +279,14 @@ class Serving:
         try:  # sized now, with the engine held: its kept resources and the free memory as they are
             run_config = serving_config(self.engine.model, self.config, self.engine.kept_bytes)
             run = self.engine.open_run(run_config, [], self.timeline)
+            if self.capture_up_to:
+                from ..speed.startup_graphs import capture_decode_graphs
+                self.startup_captures = capture_decode_graphs(self.engine, self.capture_up_to)
             self.loop = ServingLoop(self.engine, run, self.max_queue)
             self.loop.start_thread()
         except BaseException:
+            if self.engine.run is not None:  # (opened, then the captures failed)
+                self.engine.abandon()
             hold.__exit__(None, None, None)
             raise
         self._hold = hold
@@ -285,6 +301,7 @@ class Serving:
             else:
                 self.engine.abandon()
         finally:
+            loop.run.on_step = None  # (the run and the loop hold each other: let the run go as soon as it ends)
             hold, self._hold = self._hold, None
             hold.__exit__(None, None, None)
 
@@ -341,6 +358,6 @@ class Serving:
                 "kv_blocks_cached": prefix.num_kept, "prefix_cache_hit_tokens": prefix.hit_tokens,
                 "prefix_cache_prompt_tokens": prefix.prompt_tokens,
                 "waiting": len(s.waiting) + len(loop.inbox), "steps": s.step,
-                "graph_captures": len(run.runner.captures),
+                "graph_captures": len(run.runner.captures), "startup_graph_captures": self.startup_captures,
                 "graph_capture_s": round(sum(c["seconds"] for c in run.runner.captures), 3),
                 "loop_cpu_s": round(loop.cpu_s, 3)}

@@ -93,6 +93,8 @@ def _lifespan(state: ServerState):
                 state.served = served
                 await asyncio.to_thread(_warm_up, state)
                 frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.options.gc_freeze else ""
+                if served.startup_captures:
+                    frozen += f"; {served.startup_captures} decode graphs captured at start-up"
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
                       f"({_http_stack(state.options.http)}); ready{frozen}", file=sys.stderr, flush=True)
                 ready = time.monotonic(), time.thread_time(), served.stats()["loop_cpu_s"]
@@ -262,10 +264,12 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
     SIGTERM (or SIGINT) drains: new requests get 503, running ones have `grace_period` seconds to
     finish, then the rest end (finish_reason "abort") and the process exits 0."""
     from ..core.config import EngineConfig, serving_config
+    from ..core.device import platform
 
     opts = options or ServeOptions()
-    # max_queue is the serving loop's own, the rest EngineConfig's
-    serving_config(model, EngineConfig(**{"mode": "async", **{k: v for k, v in serving.items() if k != "max_queue"}}))
+    # max_queue and capture_up_to are Serving's own, the rest EngineConfig's
+    own = ("max_queue", "capture_up_to")
+    serving_config(model, EngineConfig(**{"mode": "async", **{k: v for k, v in serving.items() if k not in own}}))
     for option, value, module in (("loop", opts.loop, "uvloop"), ("http", opts.http, "httptools")):
         if value == module and importlib.util.find_spec(module) is None:
             raise ValueError(f"--{option} {module} needs the {module} package (pip install {module}, or "
@@ -281,6 +285,12 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
               "batch size and sampling variant, then a small token choice each for greedy and sampled requests "
               "(top-k/top-p sample eagerly); torch's on-disk cache makes the next start shorter",
               file=sys.stderr, flush=True)
+    if serving.get("capture_up_to"):
+        if not platform(model.device).graphs or serving.get("cuda_graphs") is False or serving.get("compile"):
+            raise ValueError("--capture-up-to captures decode CUDA graphs: it needs a CUDA device, CUDA graphs on "
+                             "(not --cuda-graphs off) and no --compile")
+        print(f"minibatch: capturing the decode CUDA graphs of requests up to {serving['capture_up_to']} tokens before "
+              "the server is ready (--capture-up-to)", file=sys.stderr, flush=True)
     if opts.switch_interval_ms is not None:
         sys.setswitchinterval(opts.switch_interval_ms / 1000)
     # uvicorn raises the signal it caught again once it has stopped; ignoring it then keeps the exit

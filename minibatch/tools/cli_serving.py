@@ -53,7 +53,7 @@ def serve_cmd(args) -> None:
                      max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                      block_size=args.block_size, num_blocks=args.num_blocks, max_queue=args.max_queue,
                      compile=args.compile, cuda_graphs=_GRAPHS[args.cuda_graphs],
-                     prefix_caching=args.prefix_caching == "on")
+                     prefix_caching=args.prefix_caching == "on", capture_up_to=args.capture_up_to)
     finally:  # (after a bad option: the port is free again for the next try)
         sock.close()
     # the engine is closed and its device released by now; what is left is the interpreter tearing down
@@ -89,6 +89,10 @@ def add_serving(sub) -> None:
                    help="replay steps as CUDA graphs: decode (auto's choice on CUDA) graphs decode steps only, and "
                         "prefill and mixed steps, whose shapes follow the arrivals, run eagerly instead of being "
                         "captured while requests wait; on graphs every step; off none")
+    s.add_argument("--capture-up-to", type=_int(0), default=0, metavar="TOKENS",
+                   help="before the server is ready, capture the decode CUDA graphs of requests up to TOKENS tokens "
+                        "(prompt and output), every batch size, greedy and sampled, so that no capture holds a "
+                        "running request back later; costs start-up time (0, the default: capture as shapes come)")
     s.add_argument("--max-batch-size", type=_int(1), default=32)
     s.add_argument("--max-batch-tokens", type=_int(1), default=512)
     s.add_argument("--block-size", type=_int(1), default=16)
