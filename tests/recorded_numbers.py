@@ -179,10 +179,30 @@ def serving_gc() -> dict:
             "cpu_full_collect_ms": before, "cpu_frozen_collect_ms": after}
 
 
+def serving_startup_graphs() -> dict:
+    """Our async server with decode graphs captured lazily against at start-up (--capture-up-to 512), H200."""
+    lazy_run, run = "runs/gpu_serving_on_step_delivery_2026-12-04/", "runs/gpu_serving_startup_graphs_2026-12-04/"
+    lazy = json.loads((DATA / lazy_run / "bench_serve.json").read_text())["runs"]["async"]["rates"]
+    log = (DATA / run / "serve_bench.log").read_text().splitlines()
+    itl = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in
+           (re.match(r"rate\s+(\w+):.*ITL p50/p99 ([\d.]+)/([\d.]+) ms", x) for x in log) if m}
+    stopped = _stopped(run + "serve_bench.log")
+    ready = dict(x.split("\t") for x in (DATA / lazy_run / "startup.tsv").read_text().splitlines()[1:])
+    out = {"captures": stopped["startup_graph_captures"], "capture_s": stopped["graph_capture_s"],
+           "ready_s": float(next(x.split("\t")[1] for x in log if x.startswith("async-capture512\t"))),
+           "lazy_ready_s": float(ready["async"])}
+    for rate in ("4", "16", "32"):
+        out[f"lazy_itl_p99_r{rate}"] = lazy[rate]["itl_ms"]["p99"]
+        out[f"itl_p99_r{rate}"] = itl[rate][1]
+        out[f"itl_p99_over_p50_r{rate}"] = itl[rate][1] / itl[rate][0]
+        out[f"lazy_itl_p99_over_p50_r{rate}"] = lazy[rate]["itl_ms"]["p99"] / lazy[rate]["itl_ms"]["p50"]
+    return out
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
-            "serving_gc": serving_gc}
+            "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -205,7 +225,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                                "figures/data/runs/gpu_serving_compile_2026-12-02/startup.tsv",
                                "figures/data/runs/gpu_serving_compile_2026-12-01/fixed/startup.tsv"],
            "serving_gc": ["figures/data/runs/gpu_serving_gc_2026-12-02/timeline-async-gcoff.json.gz",
-                          "figures/data/runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt"]}
+                          "figures/data/runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt"],
+           "serving_startup_graphs": ["figures/data/runs/gpu_serving_on_step_delivery_2026-12-04/bench_serve.json",
+                                      "figures/data/runs/gpu_serving_on_step_delivery_2026-12-04/startup.tsv",
+                                      "figures/data/runs/gpu_serving_startup_graphs_2026-12-04/serve_bench.log"]}
 
 
 def derive() -> dict:

@@ -581,6 +581,18 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # time rather than all in step 0. Over 256 requests the server reaches about nine tenths of the
 # offline engine, with as many steps, each as fast.
 #
+# **Capture before the first request.** Even decode graphs are captured lazily: a new batch size or
+# a longer context brings a new shape, and its capture (an eager run, then the recording) holds
+# every stream in the batch for about a tenth of a second. Those captures are a fresh server's
+# longest steps, and so the tail of its gaps between tokens. `Serving(engine, capture_up_to=N)`
+# (`serve --capture-up-to N`, `minibatch/speed/startup_graphs.py`) captures every decode graph of
+# requests up to N tokens before the server says it is ready: each is a step whose rows are all
+# padding, reading and writing only the cache's scratch cell, launched through the same slots and
+# runner a real step takes. On the H200, N = 512 meant 288 <!-- from figures/data/headline.json: serving_startup_graphs.captures --> graphs and 35.3 <!-- from figures/data/headline.json: serving_startup_graphs.capture_s --> s of start-up (ready after
+# 63.2 <!-- from figures/data/headline.json: serving_startup_graphs.ready_s --> s instead of 20.2 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_ready_s -->), and the 99th percentile of the gap between tokens fell from
+# 104 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_itl_p99_r4 --> to 48 <!-- from figures/data/headline.json: serving_startup_graphs.itl_p99_r4 --> ms at 4 requests per second and from 121 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_itl_p99_r16 --> to 72 <!-- from figures/data/headline.json: serving_startup_graphs.itl_p99_r16 --> ms at 16. What is
+# left of the tail is the eager step that admits a prompt.
+#
 # **Compile once for every batch size.** Offline, `compile=True` compiles a decode step once per
 # batch size, the first time that size comes up, and a warm-up pass does that before timing. A server
 # compiled that way compiles mid-run, with every request waiting: its first rate-inf run streamed
@@ -683,8 +695,9 @@ fig.savefig(f"{FIGURES}/08_prefix_blocks.png", dpi=110)
 #   carry each request's earlier tokens in the batch; the device adds the newest itself.
 # * Prompts that start alike share their full KV blocks (prefix caching): fewer tokens to compute
 #   before the first one, the same tokens out.
-# * A server meets its step shapes as requests arrive: it graphs decode steps only, compiles once for
-#   every batch size, and freezes its heap once warm.
+# * A server meets its step shapes as requests arrive: it graphs decode steps only (and can capture
+#   them all before its first request), compiles once for every batch size, and freezes its heap
+#   once warm.
 #
 # ## Exercise
 #
