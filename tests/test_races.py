@@ -33,8 +33,11 @@ def test_one_slot_keeps_the_racy_order_even_when_every_step_is_launch_bound(rand
     launch, update = async_loop.launch_step, async_loop._update
     monkeypatch.setattr(StepRunner, "launch_bound", lambda self, batch, key: True)
     monkeypatch.setattr(async_loop, "launch_step", lambda *a: (events.append(("launch", a[4])), launch(*a))[1])
-    monkeypatch.setattr(async_loop, "_update",
-                        lambda run, in_flight: (events.append(("update", in_flight[0].step)), update(run, in_flight))[1])
+    def recorded_update(run, in_flight):
+        events.append(("update", in_flight[0].step))
+        return update(run, in_flight)
+
+    monkeypatch.setattr(async_loop, "_update", recorded_update)
     kw = dict(max_new_tokens=6, max_batch_tokens=32)
     ref = minibatch.generate(random_llama, work, mode="sync", **kw)
     for slots in (1, 2):

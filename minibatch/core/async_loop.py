@@ -20,8 +20,9 @@ kernels one by one, which takes about as long as the GPU takes to run them (a ca
 launching it first would hold batch N's tokens, long computed, until the launch is over: every
 stream's next token, and a new request's first, would wait one whole extra step. Before such a step
 the host waits for batch N and updates first (steps 3, then 2); the GPU idles only for the update,
-and the carry-over works as before (the batch was planned with placeholders). `StepRunner.launch_bound` says which steps those are. A run with one slot keeps the
-plain order always: it exists to show notebook 04's race, which updating first would hide.
+and the carry-over works as before (the batch was planned with placeholders). `StepRunner.launch_bound`
+says which steps those are. A run with one slot keeps the plain order always: it exists to show
+notebook 04's race, which updating first would hide.
 
 Being one step behind has two consequences, both handled here and in the scheduler:
   * a request that hits EOS in batch N may already sit in batch N+1: `Scheduler.update` drops that

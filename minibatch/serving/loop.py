@@ -124,8 +124,8 @@ class ServingLoop:
         self.deliver(plan)
 
     def deliver(self, plan) -> None:
-        """As a step applies a batch: each online request's new tokens from `plan` to its stream; the event loops
-        reading them are woken once, at the end (stream.Wakeups)."""
+        """As a step applies a batch: each online request's new tokens from `plan` to its stream; the
+        event loops reading them are woken once, at the end (stream.Wakeups)."""
         wakeups = Wakeups()
         try:
             self._deliver(plan, wakeups)

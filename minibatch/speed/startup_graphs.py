@@ -23,8 +23,6 @@ penalties, and mixed steps, are still captured (or run eagerly) as they come.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -102,12 +100,3 @@ def capture_decode_graphs(engine, context: int, progress=None) -> int:
         engine.dev.set_timeline(run.timeline)
     return done
 
-
-def timed_capture(engine, context: int, log=print) -> int:
-    """capture_decode_graphs, with a line to `log` as it starts and when it is done (a server's start-up)."""
-    started = time.perf_counter()
-    log(f"capturing decode CUDA graphs for requests of up to {context} tokens ({len(decode_shapes(engine.run, context))} "
-        "shapes, greedy and sampled, per slot pairing)")
-    n = capture_decode_graphs(engine, context)
-    log(f"captured {n} decode CUDA graphs in {time.perf_counter() - started:.1f} s")
-    return n
