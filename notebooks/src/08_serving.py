@@ -591,8 +591,40 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # runner a real step takes. On the H200, N = 512 meant 288 <!-- from figures/data/headline.json: serving_startup_graphs.captures --> graphs and 35.3 <!-- from figures/data/headline.json: serving_startup_graphs.capture_s --> s of start-up (ready after
 # 63.2 <!-- from figures/data/headline.json: serving_startup_graphs.ready_s --> s instead of 20.2 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_ready_s -->), and the 99th percentile of the gap between tokens fell from
 # 104 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_itl_p99_r4 --> to 48 <!-- from figures/data/headline.json: serving_startup_graphs.itl_p99_r4 --> ms at 4 requests per second and from 121 <!-- from figures/data/headline.json: serving_startup_graphs.lazy_itl_p99_r16 --> to 72 <!-- from figures/data/headline.json: serving_startup_graphs.itl_p99_r16 --> ms at 16. What is
-# left of the tail is the eager step that admits a prompt.
-#
+# left of the tail is the eager step that admits a prompt:
+
+# %%
+LAZY_GPU = "../figures/data/runs/gpu_serving_on_step_delivery_2026-12-04/"
+STARTUP_GPU = "../figures/data/runs/gpu_serving_startup_graphs_2026-12-04/"
+lazy_rates = json.load(open(LAZY_GPU + "bench_serve.json"))["runs"]["async"]["rates"]
+at_start = {}  # rate -> (ITL p50, p99) ms, from the bench lines of that run's log
+for line in open(STARTUP_GPU + "serve_bench.log"):
+    if line.startswith("rate"):
+        rate, rest = line.split(":", 1)
+        p50, p99 = rest.split("ITL p50/p99 ")[1].split(" ms")[0].split("/")
+        at_start[rate.split()[1]] = (float(p50), float(p99))
+shown = ["4", "16", "32"]
+print(f"{'rate/s':>7} {'graphs captured':>17} {'ITL p50':>8} {'ITL p99':>8}")
+for rate in shown:
+    lazy = lazy_rates[rate]["itl_ms"]
+    print(f"{rate:>7} {'as shapes come':>17} {lazy['p50']:6.1f}ms {lazy['p99']:6.1f}ms")
+    print(f"{rate:>7} {'at start-up':>17} {at_start[rate][0]:6.1f}ms {at_start[rate][1]:6.1f}ms")
+
+fig, ax = plt.subplots(figsize=(7, 3.2))
+x = range(len(shown))
+for i, (name, p99s, colour) in enumerate((
+        ("captured as shapes come", [lazy_rates[r]["itl_ms"]["p99"] for r in shown], "#C44E52"),
+        ("captured at start-up (--capture-up-to 512)", [at_start[r][1] for r in shown], "#4C72B0"))):
+    ax.bar([k + (i - 0.5) * 0.38 for k in x], p99s, 0.38, color=colour, label=f"p99, {name}")
+ax.plot(x, [at_start[r][0] for r in shown], "k_", ms=30, mew=2, label="p50 (8-9 ms either way)")
+ax.set(title="gap between a stream's tokens, async server, 8B shape on an H200", xlabel="arrival rate (requests/s)",
+       ylabel="ms", ylim=(0, 1.5 * max(r["itl_ms"]["p99"] for r in lazy_rates.values())))  # (room for the legend)
+ax.set_xticks(x, shown)
+ax.legend(fontsize=8, loc="upper right")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_itl_tail_startup_graphs_gpu.png", dpi=110)
+
+# %% [markdown]
 # **Compile once for every batch size.** Offline, `compile=True` compiles a decode step once per
 # batch size, the first time that size comes up, and a warm-up pass does that before timing. A server
 # compiled that way compiles mid-run, with every request waiting: its first rate-inf run streamed
