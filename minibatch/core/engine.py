@@ -75,7 +75,7 @@ class Run:
     on_step: Callable | None
     in_flight: tuple | None = None  # async: (plan, slot) of the batch the device is running
     launched: int = 0  # async: steps launched so far (picks the slot)
-    applied: object | None = None  # the plan whose tokens the last step applied (a serving loop delivers them)
+    applied: object | None = None  # the plan whose tokens the last step applied (what a caller stepping the run reads)
 
     @property
     def mode(self) -> str:  # which loop's step function advances it (STEPS)
