@@ -344,7 +344,8 @@ class Serving:
         from it. A graph is captured the first time a step shape comes up: captures
         that keep growing under load are steps that ran slower than a replay would, and
         `graph_capture_s` is the host time they held the loop (warm-up step, drain, capture; with
-        compile=True also the torch.compile of a new shape, which happens in the warm-up step).
+        compile=True also the torch.compile of a new shape, which happens in the warm-up step);
+        `startup_graph_captures` of them were made before the first request (capture_up_to).
         `loop_cpu_s`: the CPU seconds the loop's thread has run (a server's HTTP thread shares the
         interpreter's lock with it: together they tell how much of it was left)."""
         loop = self.loop
