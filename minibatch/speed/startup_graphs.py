@@ -29,6 +29,7 @@ import torch
 from ..core.batch import Batch
 from ..core.buckets import ROW_BUCKETS
 from ..core.launch import launch_step
+from ..core.penalties import history
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
@@ -48,7 +49,7 @@ def padding_decode_batch(rows: int, width: int, scratch: int, greedy: bool) -> B
         temperature=torch.full((rows,), 0.0 if greedy else 1.0), top_k=torch.zeros(rows, dtype=torch.int64),
         top_p=torch.ones(rows), seed=torch.zeros(rows, dtype=torch.int64), counter=torch.zeros(rows, dtype=torch.int64),
         score_indices=_EMPTY, score_targets=_EMPTY, banned=_EMPTY,
-        history_rows=_EMPTY, history_ids=_EMPTY, history_output=_EMPTY, penalties=torch.zeros(0),
+        **history([], [], rows),  # no row penalized: history_*, penalties and the flag as build_batch sets them
         decode_rows=rows, all_greedy=greedy, unfiltered=True,
     )
 
