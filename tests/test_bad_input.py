@@ -337,7 +337,7 @@ CLI_CASES = [
      "cuda_graphs='decode' needs a CUDA model; this model is on cpu"),
     (["serve", "--port", "0", "--device", "cpu", "--compile"], "compile=True is for CUDA models; this model is on cpu"),
     (["serve", "--port", "0", "--device", "cpu", "--capture-up-to", "512"],
-     "--capture-up-to captures decode CUDA graphs: it needs a CUDA device"),
+     "--capture-up-to captures CUDA graphs: it needs a CUDA device"),
     (["serve", "--port", "0", "--capture-up-to", "-1"], "argument --capture-up-to: must be an integer >= 0"),
     (["serve", "--port", "0", "--device", "cpu", "--max-batch-size", "64", "--max-batch-tokens", "32"],
      r"max_batch_tokens \(32\) must be >= max_batch_size \(64\)"),

@@ -1,5 +1,7 @@
 """What only a GPU can show: CUDA graphs give the same tokens, and share one memory pool."""
 
+import time
+
 import pytest
 import torch
 
@@ -409,24 +411,57 @@ def test_the_cpu_device_runs_as_threads_once_cuda_has_started():
         assert x.tolist() == [3]
 
 
+@pytest.mark.parametrize("graphs", ["decode", True], ids=["decode-graphs", "all-graphs"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_decode_graphs_captured_at_start_up_serve_every_decode_step(mode):
+def test_graphs_captured_at_start_up_serve_every_step(mode, graphs):
     """Serving(capture_up_to=N) captures the decode graphs of requests up to N tokens before the first
-    request: then requests within N tokens, greedy and sampled, capture nothing more, and give the
-    tokens they give offline."""
+    request (with cuda_graphs=True the prefill and mixed steps' too, on the coarse buckets): then
+    requests within N tokens, greedy and sampled, capture nothing more, and give the tokens they give
+    offline."""
+    from minibatch.speed.startup_graphs import flat_buckets
+
     model = minibatch.load_model("random-llama", device="cuda", dtype=torch.float32)
     work = prompts(6, model.vocab_size, seed=3)  # prompts of 1-39 tokens, 20 new: within 64
-    kw = dict(max_batch_size=4, max_batch_tokens=64)
+    kw = dict(max_batch_size=4, max_batch_tokens=64, cuda_graphs=graphs)
     with minibatch.Engine(model) as engine:
         with Serving(engine, mode, capture_up_to=64, **kw) as server:
             started = server.stats()
             streams = [server.submit(p, max_new_tokens=20, temperature=0.8 * (i % 2), seed=i) for i, p in enumerate(work)]
             outs = [s.wait(60).token_ids for s in streams]
             stats = server.stats()
+            runner = engine.run.runner
+            flat = [c["key"] for c in runner.captures if not c["key"][5]]  # (the layout's decode_rows: 0)
     pairs = 1 if mode == "sync" else 2
     rows, widths = 3, 64 // model.decode_kv_bucket  # row buckets 1, 2, 4 (max_batch_size 4)
-    assert started["startup_graph_captures"] == started["graph_captures"] == pairs * rows * widths * 2, started
+    flat_shapes = 1 if graphs is True else 0  # 64 tokens (the budget), 1024 keys: the smallest coarse buckets
+    assert started["startup_graph_captures"] == started["graph_captures"] == pairs * (rows * widths + flat_shapes) * 2
     assert stats["graph_captures"] == started["graph_captures"], (started, stats)  # nothing captured on the way
+    if graphs is True:
+        assert runner.flat_buckets == flat_buckets(*runner.capacity[:2])
+        assert {k[2:5] for k in flat} == {(64, 1024, 4)}
     for i, (p, out) in enumerate(zip(work, outs)):
         assert out == minibatch.generate(model, [p], max_new_tokens=20, temperature=0.8 * (i % 2), seed=i,
                                          cuda_graphs=False)[0]
+
+
+def test_flat_graphs_captured_at_start_up_with_the_varlen_kernel():
+    """The same in bfloat16, where flat steps take FlashAttention's varlen kernel: a capture whose chunks
+    are all empty (the padding batch) must run, and then serve every flat step of an 8B-like serving mix
+    (prompts arriving while others decode) without another capture."""
+    model = minibatch.load_model("random-llama", device="cuda", dtype=torch.bfloat16)
+    assert model.flat_attention == "varlen"
+    work = prompts(8, model.vocab_size, seed=5)
+    with minibatch.Engine(model) as engine:
+        with Serving(engine, "async", capture_up_to=128, cuda_graphs=True, max_batch_size=4,
+                     max_batch_tokens=96) as server:
+            started = server.stats()
+            streams = []
+            for i, p in enumerate(work):
+                streams.append(server.submit(p, max_new_tokens=24, eos_token_id=None))
+                time.sleep(0.01)  # (arrivals spread over the others' decoding: mixed steps)
+            outs = [s.wait(60).token_ids for s in streams]
+            stats = server.stats()
+            kinds = {bool(c["key"][5]) for c in engine.run.runner.captures}
+    assert kinds == {True, False}  # decode graphs and flat graphs
+    assert stats["graph_captures"] == started["graph_captures"] == started["startup_graph_captures"], (started, stats)
+    assert [len(o) for o in outs] == [24] * len(work)

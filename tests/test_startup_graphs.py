@@ -1,7 +1,8 @@
-"""Decode graphs captured before a server's first request (minibatch/speed/startup_graphs.py): the
-padding batch it captures has the shapes and layout of a real decode step, so a real step replays its
-graph; it touches only the scratch cell; and it is refused clearly where there are no CUDA graphs.
-The captures themselves run on the GPU (tests/test_gpu.py)."""
+"""CUDA graphs captured before a server's first request (minibatch/speed/startup_graphs.py): the
+padding batches it captures have the shapes and layout of a real decode step and of a real padded
+flat (mixed) step, so a real step replays their graphs; they touch only the scratch cell; and the
+captures are refused clearly where there are no CUDA graphs. The captures themselves run on the GPU
+(tests/test_gpu.py)."""
 
 import pytest
 import torch
@@ -9,10 +10,11 @@ import torch
 import minibatch
 from minibatch.core.batch import TENSOR_FIELDS, build_batch
 from minibatch.core.buckets import ROW_BUCKETS
+from minibatch.core.graphs import pad_flat
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.scheduler import Scheduler
 from minibatch.serving.loop import Serving
-from minibatch.speed.startup_graphs import padding_decode_batch
+from minibatch.speed.startup_graphs import flat_buckets, padding_decode_batch, padding_flat_batch
 
 
 def real_decode_batch(model, rows: int, prompt_len: int, temperature: float, bucket: int):
@@ -37,13 +39,49 @@ def test_the_padding_batch_has_a_real_decode_steps_shapes_and_layout(random_llam
         assert (a.shape, a.dtype) == (b.shape, b.dtype), name
 
 
-def test_the_padding_batch_writes_only_the_scratch_cell(random_llama, monkeypatch):
+def real_mixed_batch(model, temperature: float):
+    """Two requests decoding beside a third one's prompt: a flat step, padded as a graphed run pads it."""
+    cache = model.make_cache(64, 4)
+    sched = Scheduler(cache.allocator, 256, 8)
+    for i in range(2):
+        sched.add(Request(i, [3 + i] * 10, SamplingParams(max_new_tokens=4, temperature=temperature)))
+    prefill = sched.schedule()
+    sched.update(prefill, [5, 5])
+    sched.add(Request(2, [7] * 9, SamplingParams(max_new_tokens=4, temperature=temperature)))
+    batch = build_batch(sched.schedule(), cache, 8, True, ROW_BUCKETS, 8)
+    assert not batch.decode_rows and batch.num_sampled == 3  # (a mixed step: the flat layout)
+    tokens, keys = flat_buckets(2048, 4096)
+    return pad_flat(batch, cache.scratch_cell, tokens, keys, 4, 2048, 4096), cache
+
+
+def test_the_flat_buckets_are_cut_to_what_a_slot_holds():
+    assert flat_buckets(2048, 10**6) == ((128, 256, 384, 512, 768, 1024, 1536, 2048),
+                                         (1024, 2048, 4096, 8192, 16384, 32768, 49152))
+    assert flat_buckets(1100, 3000) == ((128, 256, 384, 512, 768, 1024, 1100), (1024, 2048, 3000))
+    assert flat_buckets(64, 600) == ((64,), (600,))  # (a slot smaller than every bucket: one, its own size)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_padding_flat_batch_has_a_real_padded_mixed_steps_shapes_and_layout(random_llama, greedy):
+    real, cache = real_mixed_batch(random_llama, 0.0 if greedy else 0.9)
+    assert real.padded and (real.num_tokens, real.kv_indices.shape[0], real.num_sampled) == (128, 1024, 4)
+    fake = padding_flat_batch(128, 1024, 4, cache.scratch_cell, greedy)
+    assert fake.layout() == real.layout()
+    for name in TENSOR_FIELDS:
+        a, b = getattr(fake, name), getattr(real, name)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+
+
+@pytest.mark.parametrize("make", [lambda scratch: padding_decode_batch(4, 8, scratch, greedy=True),
+                                  lambda scratch: padding_flat_batch(32, 64, 4, scratch, greedy=False)],
+                         ids=["decode", "flat"])
+def test_the_padding_batch_writes_only_the_scratch_cell(random_llama, monkeypatch, make):
     monkeypatch.setattr(random_llama, "decode_layout", True)
     cache = random_llama.make_cache(16, 4)
     for t in cache.keys + cache.values:
         t.normal_()  # (a cell a request holds: anything but what the step would write)
     before = [t.clone() for t in cache.keys + cache.values]
-    tokens = random_llama.next_tokens(padding_decode_batch(4, 8, cache.scratch_cell, greedy=True), cache)
+    tokens = random_llama.next_tokens(make(cache.scratch_cell), cache)
     assert tokens.shape == (4,)
     changed = set()
     for a, b in zip(before, cache.keys + cache.values):
@@ -61,16 +99,18 @@ def test_capture_up_to_is_refused_where_there_are_no_cuda_graphs(random_llama):
     engine.close()
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["decode-graphs", "all-graphs"])
 @pytest.mark.parametrize("mode, pairs", [("sync", [(0, None)]), ("async", [(0, 1), (1, 0)])])
 def test_every_shape_is_launched_once_per_slot_pairing_and_kept_off_the_timeline(random_llama, monkeypatch, mode,
-                                                                                 pairs):
+                                                                                 pairs, flat):
     """The captures' bookkeeping on the CPU: StepRunner stands in for the GPU (it records each key it is
     asked for as captured), the rest is the real path: slots, streams, the cpu device (as threads, so
-    that the stand-in runs in this process)."""
+    that the stand-in runs in this process). A run that graphs flat steps (cuda_graphs=True: the runner
+    pads them to its slots' capacity) has their shapes captured too, on the coarse buckets."""
     from minibatch.core.config import EngineConfig, serving_config
     from minibatch.core.graphs import StepRunner
     from minibatch.core.timeline import Timeline
-    from minibatch.speed.startup_graphs import capture_decode_graphs, decode_shapes
+    from minibatch.speed.startup_graphs import capture_startup_graphs, decode_shapes, flat_shapes
 
     monkeypatch.setenv("MINIBATCH_CPU_DEVICE", "cpu-threads")
     monkeypatch.setattr(random_llama, "decode_kv_bucket", 8)
@@ -84,30 +124,39 @@ def test_every_shape_is_launched_once_per_slot_pairing_and_kept_off_the_timeline
     timeline = Timeline()
     with minibatch.Engine(random_llama) as engine, engine.exclusive():
         run = engine.open_run(serving_config(random_llama, EngineConfig(mode=mode, max_batch_size=4,
-                                                                        max_batch_tokens=64)), [], timeline)
+                                                                        max_batch_tokens=300)), [], timeline)
         monkeypatch.setattr(run.runner, "use_graphs", True)
         monkeypatch.setattr(run.runner, "decode_layout", True)
+        if not flat:  # (a GPU run with cuda_graphs="decode" has no capacity to pad flat steps to)
+            monkeypatch.setattr(run.runner, "capacity", None)
         assert decode_shapes(run, 20) == [(r, w) for r in (1, 2, 4) for w in (8, 16, 24)]
         seen = []
-        n = capture_decode_graphs(engine, 20, progress=lambda done, total: seen.append((done, total)))
-        assert n == len(asked) == len(set(asked)) == len(pairs) * 9 * 2
+        n = capture_startup_graphs(engine, 20, progress=lambda done, total: seen.append((done, total)))
+        decode = [k for k in asked if k[5]]  # (layout: decode_rows first)
         assert {(k[0], k[1]) for k in asked} == set(pairs)
-        assert {(k[2], k[3] // k[2]) for k in asked} == {(r, w) for r in (1, 2, 4) for w in (8, 16, 24)}
+        assert {(k[2], k[3] // k[2]) for k in decode} == {(r, w) for r in (1, 2, 4) for w in (8, 16, 24)}
+        assert len(decode) == len(pairs) * 9 * 2
+        if flat:
+            shapes = flat_shapes(run, 20)
+            assert run.runner.flat_buckets == ((128, 256, 300), (1024, 2048, 2080))  # (capacity: 300 tokens, 2080 keys)
+            assert shapes == [(128, 1024), (256, 1024), (300, 1024)]
+            assert {(k[2], k[3], k[4]) for k in asked if not k[5]} == {(t, k, 4) for t, k in shapes}
+        assert n == len(asked) == len(set(asked)) == len(pairs) * (9 + flat * 3) * 2
         assert seen[-1] == (n, n)
-        assert capture_decode_graphs(engine, 20) == 0  # all there already
+        assert capture_startup_graphs(engine, 20) == 0  # all there already
         assert not timeline.spans  # (the run's timeline is back in place, with nothing from the captures)
         engine.finish()
 
 
 def test_captures_need_cuda_graphs_and_an_idle_run(random_llama):
     from minibatch.core.config import EngineConfig, serving_config
-    from minibatch.speed.startup_graphs import capture_decode_graphs
+    from minibatch.speed.startup_graphs import capture_startup_graphs
 
     with minibatch.Engine(random_llama) as engine, engine.exclusive():
         with pytest.raises(RuntimeError, match="needs an open run"):
-            capture_decode_graphs(engine, 64)
+            capture_startup_graphs(engine, 64)
         engine.open_run(serving_config(random_llama, EngineConfig(mode="async", max_batch_size=4,
                                                                   max_batch_tokens=64)), [])
-        with pytest.raises(ValueError, match="needs CUDA graphs on a CUDA device"):
-            capture_decode_graphs(engine, 64)
+        with pytest.raises(ValueError, match="capturing graphs at start-up needs CUDA graphs on a CUDA device"):
+            capture_startup_graphs(engine, 64)
         engine.finish()

@@ -65,6 +65,10 @@ class StepRunner:
         # (tokens, keys, rows) an IO slot holds: with it, prefill and mixed steps on a GPU are padded to
         # bucketed sizes (pad_flat, below), so that they can be graphs too
         self.capacity = capacity
+        # the (token, key) sizes those steps are padded to: a server that captures their graphs at
+        # start-up sets coarser ones (speed/startup_graphs.py); a graph's key holds the padded sizes, so
+        # graphs captured with either set stay right
+        self.flat_buckets = (TOKEN_BUCKETS, KEY_BUCKETS)
         # the decode layout is what makes graph shapes few; without graphs it is still cheaper on a GPU
         self.decode_layout = model.decode_layout
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -82,7 +86,7 @@ class StepRunner:
         batch = build_batch(plan, self.cache, self.model.kv_bucket, self.decode_layout, rows, decode_bucket)
         if rows and self.capacity is not None and not batch.decode_rows:  # as rows: with or without graphs
             tokens, keys, max_rows = self.capacity
-            batch = pad_flat(batch, self.cache.scratch_cell, TOKEN_BUCKETS, KEY_BUCKETS, max_rows, tokens, keys)
+            batch = pad_flat(batch, self.cache.scratch_cell, *self.flat_buckets, max_rows, tokens, keys)
         return batch
 
     def graphed(self, batch: Batch) -> bool:

@@ -251,8 +251,9 @@ class Serving:
     says why). The loop is `mode` if given, else `config.mode` if a config is given, else "async".
     `max_queue` bounds the requests waiting for a seat (submit raises QueueFull beyond it).
     `capture_up_to` (tokens; 0: off) captures, as the block is entered and before any request, the
-    decode CUDA graphs of requests up to that many tokens (speed/startup_graphs.py: no capture on a
-    request's path; a GPU run with CUDA graphs only). Bad options raise as the Serving is made; the
+    CUDA graphs of requests up to that many tokens (speed/startup_graphs.py: no capture on a request's
+    path; a GPU run with CUDA graphs only): decode steps', and with cuda_graphs=True every flat step's
+    too, on coarser buckets. Bad options raise as the Serving is made; the
     run is sized and checked against free memory as the block is entered. Leaving the block ends
     every open stream ("cancelled") and joins the thread.
     """
@@ -280,8 +281,8 @@ class Serving:
             run_config = serving_config(self.engine.model, self.config, self.engine.kept_bytes)
             run = self.engine.open_run(run_config, [], self.timeline)
             if self.capture_up_to:
-                from ..speed.startup_graphs import capture_decode_graphs
-                self.startup_captures = capture_decode_graphs(self.engine, self.capture_up_to)
+                from ..speed.startup_graphs import capture_startup_graphs
+                self.startup_captures = capture_startup_graphs(self.engine, self.capture_up_to)
             self.loop = ServingLoop(self.engine, run, self.max_queue)
             self.loop.start_thread()
         except BaseException:

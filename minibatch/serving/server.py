@@ -287,9 +287,10 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
               file=sys.stderr, flush=True)
     if serving.get("capture_up_to"):
         if not platform(model.device).graphs or serving.get("cuda_graphs") is False or serving.get("compile"):
-            raise ValueError("--capture-up-to captures decode CUDA graphs: it needs a CUDA device, CUDA graphs on "
+            raise ValueError("--capture-up-to captures CUDA graphs: it needs a CUDA device, CUDA graphs on "
                              "(not --cuda-graphs off) and no --compile")
-        print(f"minibatch: capturing the decode CUDA graphs of requests up to {serving['capture_up_to']} tokens before "
+        steps = "every step's" if serving.get("cuda_graphs") is True else "the decode steps'"
+        print(f"minibatch: capturing {steps} CUDA graphs for requests up to {serving['capture_up_to']} tokens before "
               "the server is ready (--capture-up-to)", file=sys.stderr, flush=True)
     if opts.switch_interval_ms is not None:
         sys.setswitchinterval(opts.switch_interval_ms / 1000)

@@ -3,5 +3,5 @@
     compiled.py   CompiledStep: the decode step through torch.compile (Model.compiled_step)        07
     siblings.py   q/k/v and gate/up as one matrix product inside compiled steps                     07
     compat.py     the private PyTorch hooks they (and the model) use, one function each               07
-    startup_graphs.py  decode CUDA graphs captured before a server's first request (capture_up_to)  08
+    startup_graphs.py  CUDA graphs captured before a server's first request (capture_up_to)  08
 """

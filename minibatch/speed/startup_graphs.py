@@ -1,4 +1,4 @@
-"""Decode graphs captured before the first request: no capture on a request's path (notebook 08).
+"""CUDA graphs captured before the first request: no capture on a request's path (notebook 08).
 
 A run captures a step's CUDA graph the first time its shape comes up (core/graphs.py). For an
 offline run that is fine; for a server it is not: a capture holds the loop for about two eager
@@ -6,32 +6,52 @@ launches of the step (the warm-up run, then the recording), and every stream in 
 it. Those captures are a serving run's longest steps, and so the tail of its inter-token latency
 (BENCHMARKS.md, "Serving latency after delivering tokens from the step").
 
-`capture_decode_graphs(engine, context)` captures, up front, the decode graphs a server meets with
-requests of up to `context` tokens (prompt and output together): every row bucket the run's slots
-hold (ROW_BUCKETS) times every key width up to `context` (multiples of the model's decode key
-bucket), greedy and sampled (top-k and top-p off: the default of every OpenAI client), for each
-pairing of slots the loop launches (sync: one slot; async: A after B, and B after A). Each is a
-decode step whose rows are all padding, as the scheduler pads a real batch's rows: one token at
-position 0 that writes and reads only the KV cache's scratch cell. So the capture writes nothing a
-request will read, and it goes through the same path a real step takes (slot.load, launch_step,
-StepRunner), which is what makes its graph the one a real step of that shape replays.
+`capture_startup_graphs(engine, context)` captures, up front, the graphs a server meets with
+requests of up to `context` tokens (prompt and output together), for each pairing of slots the loop
+launches (sync: one slot; async: A after B, and B after A), greedy and sampled (top-k and top-p off:
+the default of every OpenAI client):
 
-The cost is start-up time, one capture per shape, most of them never used by a given workload:
-`context` chooses how far to go. Steps with a top-k or top-p filter, logprobs, bans (min_tokens) or
-penalties, and mixed steps, are still captured (or run eagerly) as they come.
+  decode steps   every row bucket the run's slots hold (ROW_BUCKETS) times every key width up to
+                 `context` (multiples of the model's decode key bucket); each a step whose rows are
+                 all padding, as the scheduler pads a real batch's rows: one token at position 0
+                 that writes and reads only the KV cache's scratch cell;
+  flat steps     (prefill chunks, alone or beside decode rows) only where the run graphs them
+                 (cuda_graphs=True; a server's default graphs decode steps only, and runs the others
+                 eagerly): every (tokens, keys) bucket pair a step within the token budget and
+                 `context` can take. An eager flat step of a large model is bound by the host
+                 launching its kernels one by one (~40 ms for the 8B shape whatever its token count,
+                 BENCHMARKS.md), which makes it the step a new request waits for and the next tail of
+                 inter-token latency. The fine buckets an offline run pads to (core/buckets.py) would
+                 be well over a thousand captures, so the run's flat steps are padded to the coarser
+                 FLAT_TOKEN_BUCKETS x FLAT_KEY_BUCKETS from then on. Each capture is a batch of
+                 padding tokens in empty chunks, reading padding keys: the scratch cell again.
+
+A capture goes through the path a real step takes (slot.load, launch_step, StepRunner), which is
+what makes its graph the one a real step of that shape replays; it writes nothing a request will
+read. The cost is start-up time, one capture per shape, most of them never used by a given
+workload: `context` chooses how far to go. Steps with a top-k or top-p filter, logprobs, bans
+(min_tokens) or penalties are still captured (or run eagerly) as they come.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
 from ..core.batch import Batch
-from ..core.buckets import ROW_BUCKETS
+from ..core.buckets import KEY_BUCKETS, ROW_BUCKETS, bucket
 from ..core.launch import launch_step
 from ..core.penalties import history
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
+
+# half-octave tokens (a flat step of a few hundred tokens is bound by reading the weights, so padding
+# it costs little; above, at most 1.5x the tokens), octave keys (the extra keys of the flat layout are
+# gathered, not attended to: the varlen kernel reads each chunk's own); the largest as KEY_BUCKETS'
+FLAT_TOKEN_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+FLAT_KEY_BUCKETS = (*(1024 << i for i in range(6)), KEY_BUCKETS[-1])  # 1024 ... 32768, 49152
 
 
 def padding_decode_batch(rows: int, width: int, scratch: int, greedy: bool) -> Batch:
@@ -61,23 +81,69 @@ def decode_shapes(run, context: int) -> list[tuple[int, int]]:
     return [(r, w) for r in ROW_BUCKETS if r <= shape.rows for w in widths if r * w <= shape.max_keys]
 
 
-def capture_decode_graphs(engine, context: int, progress=None) -> int:
-    """Capture the decode graphs of requests up to `context` tokens for the engine's open run, before
-    any request comes (module doc). Returns how many it captured; `progress(done, total)` is called
-    after each shape. Needs a run on a CUDA device with CUDA graphs on for decode steps, and nothing
-    running."""
+def padding_flat_batch(tokens: int, keys: int, rows: int, scratch: int, greedy: bool) -> Batch:
+    """A flat batch as graphs.pad_flat leaves one, `tokens` tokens, `keys` keys and `rows` sampled rows,
+    all of them padding: every chunk empty, every token at position 0 writing the scratch cell, every
+    key that cell, every row sampling the last token."""
+
+    def full(n: int, value, dtype=torch.int64) -> torch.Tensor:
+        return torch.full((n,), value, dtype=dtype)
+
+    return Batch(
+        input_ids=full(tokens, 0), positions=full(tokens, 0), q_seq=full(tokens, -1), cell_mapping=full(tokens, scratch),
+        kv_indices=full(keys, scratch), kv_seq=full(keys, -1), kv_pos=full(keys, 0),
+        logits_indices=full(rows, tokens - 1), chunk_starts=full(rows + 1, 0), key_starts=full(rows + 1, 0),
+        temperature=full(rows, 0.0 if greedy else 1.0, torch.float32), top_k=full(rows, 0),
+        top_p=full(rows, 1.0, torch.float32), seed=full(rows, 0), counter=full(rows, 0),
+        score_indices=_EMPTY, score_targets=_EMPTY, banned=_EMPTY,
+        **history([], [], rows), all_greedy=greedy, unfiltered=True, padded=True,
+    )
+
+
+def flat_buckets(max_tokens: int, max_keys: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """FLAT_TOKEN_BUCKETS and FLAT_KEY_BUCKETS cut to what an IO slot holds, the slot's capacity the last
+    bucket where the sets go past it (so that every flat step the slot holds has a bucket)."""
+    def cut(sizes, most):
+        most = min(most, sizes[-1])
+        return (*(b for b in sizes if b < most), most)
+
+    return cut(FLAT_TOKEN_BUCKETS, max_tokens), cut(FLAT_KEY_BUCKETS, max_keys)
+
+
+def flat_shapes(run, context: int) -> list[tuple[int, int]]:
+    """(tokens, keys) of every padded flat step of requests up to `context` tokens within the run's token
+    budget, on the runner's flat buckets. A step's keys include its own tokens' (k >= t), so a token
+    bucket pairs only with key buckets that can hold more keys than the bucket below it held tokens."""
+    runner = run.runner
+    rows = runner.capacity[2]
+    token_sizes, key_sizes = runner.flat_buckets
+    most_tokens = bucket(run.config.max_batch_tokens, token_sizes)
+    # at most a chunk per row, each reading at most `context` keys, plus the key list's padding (batch.py)
+    most_keys = min(bucket(rows * context + runner.model.kv_bucket + 1, key_sizes), max(key_sizes))
+    tokens = [b for b in token_sizes if b <= most_tokens]
+    shapes = []
+    for below, t in zip([0, *tokens], tokens):
+        shapes += [(t, k) for k in key_sizes if below + 2 <= k <= most_keys]
+    return shapes
+
+
+def capture_startup_graphs(engine, context: int, progress=None) -> int:
+    """Capture the graphs of requests up to `context` tokens for the engine's open run, before any
+    request comes (module doc): decode steps', and flat steps' where the run graphs them. Returns how
+    many it captured; `progress(done, total)` is called after each shape. Needs a run on a CUDA device
+    with CUDA graphs on, and nothing running."""
     run = engine.run
     if run is None:
-        raise RuntimeError("capture_decode_graphs needs an open run (engine.open_run, or inside Serving)")
+        raise RuntimeError("capture_startup_graphs needs an open run (engine.open_run, or inside Serving)")
     runner = run.runner
     if not (runner.use_graphs and runner.decode_layout):
-        raise ValueError("capturing decode graphs at start-up needs CUDA graphs on a CUDA device "
+        raise ValueError("capturing graphs at start-up needs CUDA graphs on a CUDA device "
                          f"(this run: cuda_graphs={run.config.shape.cuda_graphs!r}, device {runner.model.device})")
     if runner.compiled is not None:
-        raise ValueError("capturing decode graphs at start-up is not for compiled decode steps (compile=True): "
+        raise ValueError("capturing graphs at start-up is not for compiled decode steps (compile=True): "
                          "they compile per shape as they come")
     if run.in_flight is not None or run.scheduler.has_work():
-        raise RuntimeError("capture_decode_graphs runs before the first request, with nothing in flight")
+        raise RuntimeError("capture_startup_graphs runs before the first request, with nothing in flight")
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise ValueError(f"context must be a positive number of tokens, got {context!r}")
     slots = run.slots
@@ -85,12 +151,18 @@ def capture_decode_graphs(engine, context: int, progress=None) -> int:
     # the other (one slot: after itself, the race notebook 04 shows)
     pairs = [(slots[0], None)] if run.mode == "sync" else [(a, b) for a in slots for b in slots
                                                            if a is not b or len(slots) == 1]
-    work = [(p, s, g) for p in pairs for s in decode_shapes(run, context) for g in (True, False)]
-    scratch, done = runner.cache.scratch_cell, 0
+    scratch = runner.cache.scratch_cell
+    batches = [functools.partial(padding_decode_batch, r, w, scratch) for r, w in decode_shapes(run, context)]
+    if runner.capacity is not None:  # flat steps are graphs in this run (padded: core/graphs.py)
+        runner.flat_buckets = flat_buckets(*runner.capacity[:2])
+        batches += [functools.partial(padding_flat_batch, t, k, runner.capacity[2], scratch)
+                    for t, k in flat_shapes(run, context)]
+    work = [(p, b, g) for p in pairs for b in batches for g in (True, False)]
+    done = 0
     engine.dev.set_timeline(None)  # the captures are not the run's steps: kept off its timeline
     try:
-        for i, ((slot, prev), (rows, width), greedy) in enumerate(work):
-            slot.load(padding_decode_batch(rows, width, scratch, greedy), [])
+        for i, ((slot, prev), make, greedy) in enumerate(work):
+            slot.load(make(greedy), [])
             if slot.key(prev) not in runner.graphs:
                 launch_step(runner, run.streams, slot, prev, -1)
                 slot.d2h_done.synchronize(run.timeout)

@@ -92,7 +92,8 @@ def add_serving(sub) -> None:
     s.add_argument("--capture-up-to", type=_int(0), default=0, metavar="TOKENS",
                    help="before the server is ready, capture the decode CUDA graphs of requests up to TOKENS tokens "
                         "(prompt and output), every batch size, greedy and sampled, so that no capture holds a "
-                        "running request back later; costs start-up time (0, the default: capture as shapes come)")
+                        "running request back later; with --cuda-graphs on the prefill and mixed steps' graphs too, "
+                        "padded to coarser sizes; costs start-up time (0, the default: capture as shapes come)")
     s.add_argument("--max-batch-size", type=_int(1), default=32)
     s.add_argument("--max-batch-tokens", type=_int(1), default=512)
     s.add_argument("--block-size", type=_int(1), default=16)
