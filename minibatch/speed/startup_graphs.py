@@ -8,8 +8,9 @@ it. Those captures are a serving run's longest steps, and so the tail of its int
 
 `capture_startup_graphs(engine, context)` captures, up front, the graphs a server meets with
 requests of up to `context` tokens (prompt and output together), for each pairing of slots the loop
-launches (sync: one slot; async: A after B, and B after A), greedy and sampled (top-k and top-p off:
-the default of every OpenAI client):
+launches (sync: one slot; async: A after B, and B after A, and for flat steps either slot after none,
+as an idle loop launches a new request's prefill), greedy and sampled (top-k and top-p off: the
+default of every OpenAI client):
 
   decode steps   every row bucket the run's slots hold (ROW_BUCKETS) times every key width up to
                  `context` (multiples of the model's decode key bucket); each a step whose rows are
@@ -152,12 +153,14 @@ def capture_startup_graphs(engine, context: int, progress=None) -> int:
     pairs = [(slots[0], None)] if run.mode == "sync" else [(a, b) for a in slots for b in slots
                                                            if a is not b or len(slots) == 1]
     scratch = runner.cache.scratch_cell
-    batches = [functools.partial(padding_decode_batch, r, w, scratch) for r, w in decode_shapes(run, context)]
+    work = [(p, functools.partial(padding_decode_batch, r, w, scratch), g)
+            for p in pairs for r, w in decode_shapes(run, context) for g in (True, False)]
     if runner.capacity is not None:  # flat steps are graphs in this run (padded: core/graphs.py)
         runner.flat_buckets = flat_buckets(*runner.capacity[:2])
-        batches += [functools.partial(padding_flat_batch, t, k, runner.capacity[2], scratch)
-                    for t, k in flat_shapes(run, context)]
-    work = [(p, b, g) for p in pairs for b in batches for g in (True, False)]
+        # an idle async loop launches its next step, a new request's prefill, after none (either slot)
+        after_none = [(s, None) for s in slots] if run.mode == "async" else []
+        work += [(p, functools.partial(padding_flat_batch, t, k, runner.capacity[2], scratch), g)
+                 for p in pairs + after_none for t, k in flat_shapes(run, context) for g in (True, False)]
     done = 0
     engine.dev.set_timeline(None)  # the captures are not the run's steps: kept off its timeline
     try:
