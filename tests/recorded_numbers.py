@@ -199,10 +199,33 @@ def serving_startup_graphs() -> dict:
     return out
 
 
+def serving_all_graphs() -> dict:
+    """Sync and async servers, default (decode graphs, lazy) against every step a graph captured at start-up
+    (--cuda-graphs on --capture-up-to 512), and the async one's token budget 512/1024/2048; one H200."""
+    run = "runs/gpu_serving_all_graphs_startup_2026-12-04/"
+    runs = json.loads((DATA / run / "bench_serve.json").read_text())["runs"]
+    ready = dict(x.split("\t") for x in (DATA / run / "startup.tsv").read_text().splitlines()[1:])
+    stopped = _stopped(run + "server-async-allgraphs-capture512.log")
+    out = {"captures": stopped["startup_graph_captures"], "capture_s": stopped["graph_capture_s"],
+           "ready_s": float(ready["async-allgraphs-capture512"]), "lazy_ready_s": float(ready["async"])}
+    labels = {"sync": "sync", "async": "async", "sync_all": "sync-allgraphs-capture512",
+              "async_all": "async-allgraphs-capture512", "async_all_b512": "async-allgraphs-capture512-mbt512",
+              "async_all_b1024": "async-allgraphs-capture512-mbt1024"}
+    for short, label in labels.items():
+        for rate, r in runs[label]["rates"].items():
+            out[f"{short}_ttft_p50_r{rate}"] = r["ttft_ms"]["p50"]
+            out[f"{short}_itl_p50_r{rate}"] = r["itl_ms"]["p50"]
+            out[f"{short}_itl_p99_r{rate}"] = r["itl_ms"]["p99"]
+            out[f"{short}_itl_ratio_r{rate}"] = r["itl_ms"]["p99"] / r["itl_ms"]["p50"]
+            out[f"{short}_tok_s_r{rate}"] = r["output_throughput"]
+    return out
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
-            "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs}
+            "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
+            "serving_all_graphs": serving_all_graphs}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -228,7 +251,11 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                           "figures/data/runs/cpu_gc_freeze_2026-12-02/gc_freeze.txt"],
            "serving_startup_graphs": ["figures/data/runs/gpu_serving_on_step_delivery_2026-12-04/bench_serve.json",
                                       "figures/data/runs/gpu_serving_on_step_delivery_2026-12-04/startup.tsv",
-                                      "figures/data/runs/gpu_serving_startup_graphs_2026-12-04/serve_bench.log"]}
+                                      "figures/data/runs/gpu_serving_startup_graphs_2026-12-04/serve_bench.log"],
+           "serving_all_graphs": ["figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/bench_serve.json",
+                                  "figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/startup.tsv",
+                                  "figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/"
+                                  "server-async-allgraphs-capture512.log"]}
 
 
 def derive() -> dict:

@@ -625,6 +625,75 @@ fig.tight_layout()
 fig.savefig(f"{FIGURES}/08_itl_tail_startup_graphs_gpu.png", dpi=110)
 
 # %% [markdown]
+# **Every step a graph, captured before the first request.** That admitting step is a prefill chunk
+# beside the decode rows, launched kernel by kernel: for the 8B shape the host needs about 40 ms to
+# launch it, whatever its token count, while the GPU would run it in 10-25. Worse, every request
+# waits for it: a newcomer's first token comes after it, and so does every running stream's next
+# token. Graphing it lazily did not pay (above: its shapes follow the arrivals, so each new one was a
+# capture on a request's path). Captured at start-up it does: with `--cuda-graphs on`, `capture_up_to`
+# also captures a graph for every padded flat step a request within N tokens can make. To keep that
+# to a few hundred graphs, flat steps are then padded to coarse sizes, tokens in half octaves from 128
+# (a step of a few hundred tokens is bound by reading the weights, so padding it is nearly free) and
+# keys in octaves from 1024 (the extra keys are gathered, never attended to). Each capture is a batch
+# of padding tokens in empty chunks, touching only the scratch cell, as for the decode graphs. On the
+# H200 the async server then made 720 <!-- from figures/data/headline.json: serving_all_graphs.captures --> captures in 69.0 <!-- from figures/data/headline.json: serving_all_graphs.capture_s --> s before it was ready
+# (103.6 <!-- from figures/data/headline.json: serving_all_graphs.ready_s --> s against 22.5 <!-- from figures/data/headline.json: serving_all_graphs.lazy_ready_s -->), and on one machine, side by side with the default servers:
+
+# %%
+ALL_GPU = "../figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/"
+runs = json.load(open(ALL_GPU + "bench_serve.json"))["runs"]
+servers = {"sync": "sync", "async": "async", "sync-allgraphs-capture512": "sync, every step at start-up",
+           "async-allgraphs-capture512": "async, every step at start-up"}
+rates_all = ["4", "16", "32", "inf"]
+print(f"{'server':>31} {'rate/s':>6} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>7} {'tok/s':>6}")
+for label, name in servers.items():
+    for rate in rates_all:
+        r = runs[label]["rates"][rate]
+        print(f"{name:>31} {rate:>6} {r['ttft_ms']['p50']:7.1f}ms {r['itl_ms']['p50']:6.2f}ms {r['itl_ms']['p99']:6.1f}ms "
+              f"{r['itl_ms']['p99'] / r['itl_ms']['p50']:6.1f}x {r['output_throughput']:6.0f}")
+
+budgets = {512: "async-allgraphs-capture512-mbt512", 1024: "async-allgraphs-capture512-mbt1024",
+           2048: "async-allgraphs-capture512"}
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+x = range(len(rates_all))
+colours = {"sync": "#DD8452", "async": "#C44E52", "sync-allgraphs-capture512": "#55A868",
+           "async-allgraphs-capture512": "#4C72B0"}
+for label, name in servers.items():
+    left.plot(x, [runs[label]["rates"][r]["ttft_ms"]["p50"] for r in rates_all], "o-", color=colours[label], label=name)
+left.set(title="time to first token (median)", xlabel="arrival rate (requests/s)", ylabel="ms", ylim=(0, None))
+left.set_xticks(x, rates_all)
+left.legend(fontsize=8)
+at = range(len(budgets))  # (evenly spaced: the budgets double)
+tput = right.twinx()
+tput.bar(at, [runs[b]["rates"]["inf"]["output_throughput"] for b in budgets.values()], 0.4, color="#BBBBBB")
+tput.set(ylabel="tokens/s at rate inf (grey bars)", ylim=(0, 6000))
+right.set_zorder(tput.get_zorder() + 1)  # the lines over the bars
+right.patch.set_visible(False)
+for rate, marker in zip(rates_all, "os^D"):
+    right.plot(at, [runs[b]["rates"][rate]["itl_ms"]["p99"] / runs[b]["rates"][rate]["itl_ms"]["p50"]
+                    for b in budgets.values()], marker + "-", label=f"ITL p99/p50, rate {rate}")
+right.axhline(4, color="#555555", ls="--", lw=1, label="4x")
+right.set(title="async, every step a graph: the token budget", xlabel="tokens per step (--max-batch-tokens)",
+          ylabel="ITL p99 / p50", ylim=(0, 8))
+right.set_xticks(at, [str(b) for b in budgets])
+right.legend(fontsize=7, loc="upper left")
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_every_step_graphed_gpu.png", dpi=110)
+
+# %% [markdown]
+# The admitting step fell from 39-53 ms to 16-25 (median, rates 4-32, `scripts/ttft_breakdown.py`),
+# and with it both kinds of latency. The median time to first token of the async server went from
+# 62.4 <!-- from figures/data/headline.json: serving_all_graphs.async_ttft_p50_r4 -->, 102.0 <!-- from figures/data/headline.json: serving_all_graphs.async_ttft_p50_r16 --> and 167.3 <!-- from figures/data/headline.json: serving_all_graphs.async_ttft_p50_r32 --> ms to 34.8 <!-- from figures/data/headline.json: serving_all_graphs.async_all_ttft_p50_r4 -->, 46.1 <!-- from figures/data/headline.json: serving_all_graphs.async_all_ttft_p50_r16 --> and 63.6 <!-- from figures/data/headline.json: serving_all_graphs.async_all_ttft_p50_r32 --> ms at 4, 16 and 32 requests per second,
+# now within one decode step of the sync server built the same way (32.0 <!-- from figures/data/headline.json: serving_all_graphs.sync_all_ttft_p50_r4 -->, 52.1 <!-- from figures/data/headline.json: serving_all_graphs.sync_all_ttft_p50_r16 -->,
+# 67.3 <!-- from figures/data/headline.json: serving_all_graphs.sync_all_ttft_p50_r32 --> ms): one batch in flight costs a newcomer at most one short step. The 99th
+# percentile of the gap between tokens is 2.1 <!-- from figures/data/headline.json: serving_all_graphs.async_all_itl_ratio_r4 -->x, 2.6 <!-- from figures/data/headline.json: serving_all_graphs.async_all_itl_ratio_r16 -->x and 3.5 <!-- from figures/data/headline.json: serving_all_graphs.async_all_itl_ratio_r32 -->x its median there (it was
+# 12.2 <!-- from figures/data/headline.json: serving_all_graphs.async_itl_ratio_r4 -->x, 12.3 <!-- from figures/data/headline.json: serving_all_graphs.async_itl_ratio_r16 -->x and 11.3 <!-- from figures/data/headline.json: serving_all_graphs.async_itl_ratio_r32 -->x), and the throughput at rate inf did not suffer (4667 <!-- from figures/data/headline.json: serving_all_graphs.async_all_tok_s_rinf -->
+# against 4511 <!-- from figures/data/headline.json: serving_all_graphs.async_tok_s_rinf --> tokens/s). At rate inf the tail is the prompts' own steps, 2048 tokens each;
+# the right panel is that trade-off: a budget of 512 tokens per step keeps the tail within
+# 2.7 <!-- from figures/data/headline.json: serving_all_graphs.async_all_b512_itl_ratio_rinf -->x even there, for 4321 <!-- from figures/data/headline.json: serving_all_graphs.async_all_b512_tok_s_rinf --> tokens/s. The price of all this is start-up time, which is
+# why it is a flag (`serve --cuda-graphs on --capture-up-to N`) and not the default.
+
+# %% [markdown]
 # **Compile once for every batch size.** Offline, `compile=True` compiles a decode step once per
 # batch size, the first time that size comes up, and a warm-up pass does that before timing. A server
 # compiled that way compiles mid-run, with every request waiting: its first rate-inf run streamed
