@@ -17,7 +17,8 @@ A graph replays fixed kernels on fixed addresses with fixed shapes. Hence:
     length that is a multiple of the model's decode_kv_bucket (kv_bucket for compiled steps, which
     compile once per shape; batch.py, decode layout); prefill and mixed steps are padded to a token
     count from TOKEN_BUCKETS, a key count from KEY_BUCKETS and the slot's rows (pad_flat, below), and
-    the few that do not fit those (more keys than KEY_BUCKETS holds) stay eager;
+    the few that do not fit those (more keys than KEY_BUCKETS holds) stay eager (a server that
+    captures its graphs at start-up pads to coarser sets: speed/startup_graphs.py);
   * the carry-over ops (carry_over.py) run inside the graph, before the forward pass.
 All graphs share one memory pool: they never run at the same time (one compute stream), so the
 memory one graph uses for its intermediate tensors can be reused by the next. Two slots' graphs
