@@ -91,7 +91,7 @@ def test_the_padding_batch_writes_only_the_scratch_cell(random_llama, monkeypatc
 
 def test_capture_up_to_is_refused_where_there_are_no_cuda_graphs(random_llama):
     engine = minibatch.Engine(random_llama)
-    with pytest.raises(ValueError, match="capture_up_to captures CUDA graphs, which need a CUDA device"):
+    with pytest.raises(ValueError, match="capture_up_to captures CUDA graphs: it needs a CUDA device"):
         Serving(engine, capture_up_to=512)
     for bad in (-1, 2.5, True, "512"):
         with pytest.raises(ValueError, match="capture_up_to must be a number of tokens >= 0"):
@@ -150,6 +150,22 @@ def test_every_shape_is_launched_once_per_slot_pairing_and_kept_off_the_timeline
         assert capture_startup_graphs(engine, 20) == 0  # all there already
         assert not timeline.spans  # (the run's timeline is back in place, with nothing from the captures)
         engine.finish()
+
+
+@pytest.mark.parametrize("cuda_graphs, compile", [(False, False), (None, True), ("decode", "dynamic")])
+def test_captures_are_refused_without_cuda_graphs_or_with_compile_before_anything_runs(cuda_graphs, compile):
+    """One check for Serving and `serve`: on a CUDA device (no GPU needed to check), CUDA graphs off or
+    a compiled step is refused as the options are given, not as the run opens."""
+    from minibatch.speed.startup_graphs import check_capture
+
+    if cuda_graphs is False:
+        with pytest.raises(ValueError, match=r"--capture-up-to captures CUDA graphs: .*cuda_graphs=False"):
+            check_capture("cuda", cuda_graphs, compile, "--capture-up-to")
+    else:
+        with pytest.raises(ValueError, match=r"capture_up_to captures CUDA graphs: .*compile="):
+            check_capture("cuda", cuda_graphs, compile)
+    check_capture("cuda", True, False)  # (allowed: every step a graph)
+    check_capture("cuda", None, False)
 
 
 def test_captures_need_cuda_graphs_and_an_idle_run(random_llama):

@@ -37,7 +37,6 @@ import time
 from collections import deque
 
 from ..core.checks import check_prompts
-from ..core.device import platform
 from ..core.config import EngineConfig, serving_config, split_options, with_options
 from ..core.requests import Request, RequestState, SamplingParams
 from ..core.timeline import ARRIVAL, Timeline
@@ -264,12 +263,12 @@ class Serving:
         mode = mode or (config.mode if config is not None else "async")
         if not isinstance(capture_up_to, int) or isinstance(capture_up_to, bool) or capture_up_to < 0:
             raise ValueError(f"capture_up_to must be a number of tokens >= 0 (0: off), got {capture_up_to!r}")
-        if capture_up_to and not platform(engine.model.device).graphs:
-            raise ValueError("capture_up_to captures CUDA graphs, which need a CUDA device; this model is on "
-                             f"{engine.model.device}")
         self.engine, self.max_queue, self.capture_up_to = engine, max_queue, capture_up_to
         self.startup_captures = 0
         self.config = with_options(EngineConfig, config, {**options, "mode": mode}, "Serving()")
+        if capture_up_to:
+            from ..speed.startup_graphs import check_capture
+            check_capture(engine.model.device, self.config.cuda_graphs, self.config.compile)
         self.timeline = timeline if timeline is not None else Timeline(limit=TIMELINE_LIMIT)
         self.loop: ServingLoop | None = None
         self._hold = None

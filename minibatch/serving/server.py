@@ -264,7 +264,6 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
     SIGTERM (or SIGINT) drains: new requests get 503, running ones have `grace_period` seconds to
     finish, then the rest end (finish_reason "abort") and the process exits 0."""
     from ..core.config import EngineConfig, serving_config
-    from ..core.device import platform
 
     opts = options or ServeOptions()
     # max_queue and capture_up_to are Serving's own, the rest EngineConfig's
@@ -286,9 +285,8 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
               "(top-k/top-p sample eagerly); torch's on-disk cache makes the next start shorter",
               file=sys.stderr, flush=True)
     if serving.get("capture_up_to"):
-        if not platform(model.device).graphs or serving.get("cuda_graphs") is False or serving.get("compile"):
-            raise ValueError("--capture-up-to captures CUDA graphs: it needs a CUDA device, CUDA graphs on "
-                             "(not --cuda-graphs off) and no --compile")
+        from ..speed.startup_graphs import check_capture
+        check_capture(model.device, serving.get("cuda_graphs"), serving.get("compile"), "--capture-up-to")
         steps = "every step's" if serving.get("cuda_graphs") is True else "the decode steps'"
         print(f"minibatch: capturing {steps} CUDA graphs for requests up to {serving['capture_up_to']} tokens before "
               "the server is ready (--capture-up-to)", file=sys.stderr, flush=True)

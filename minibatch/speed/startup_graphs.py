@@ -128,6 +128,17 @@ def flat_shapes(run, context: int) -> list[tuple[int, int]]:
     return shapes
 
 
+def check_capture(device, cuda_graphs, compile, name: str = "capture_up_to") -> None:
+    """Refuse start-up captures a run cannot make: they need a CUDA device, CUDA graphs on (cuda_graphs
+    None, "decode" or True) and no torch.compile (compiled decode steps compile per shape as they come).
+    `name`: the option as the caller spells it (Serving's keyword, serve's flag)."""
+    from ..core.device import platform
+
+    if not platform(device).graphs or cuda_graphs is False or compile:
+        raise ValueError(f"{name} captures CUDA graphs: it needs a CUDA device, CUDA graphs on and no compile "
+                         f"(here: device {device}, cuda_graphs={cuda_graphs!r}, compile={compile!r})")
+
+
 def capture_startup_graphs(engine, context: int, progress=None) -> int:
     """Capture the graphs of requests up to `context` tokens for the engine's open run, before any
     request comes (module doc): decode steps', and flat steps' where the run graphs them. Returns how
