@@ -92,26 +92,12 @@ def test_without_eos_async_plans_the_same_batches_as_sync(random_llama):
     assert plans["async"] == plans["sync"]
 
 
-def test_before_a_launch_bound_step_the_host_takes_batch_n_first(random_llama, monkeypatch):
+def test_before_a_launch_bound_step_the_host_takes_batch_n_first(random_llama, loop_order):
     """Before a step whose launch holds the host (an eager step on a GPU: StepRunner.launch_bound), the async
     loop waits for batch N and updates with it first, then launches N+1; before any other step it launches
     first. Made to happen on the CPU by calling every step with prompt tokens launch-bound: the order
     changes, the tokens do not (EOS in flight and arrivals included)."""
-    from minibatch.core import async_loop
-    from minibatch.core.graphs import StepRunner
-
-    events = []
-
-    def bound(self, batch, key):
-        events.append(("asked", batch.num_tokens > batch.num_sampled))
-        return events[-1][1]
-
-    launch, update = async_loop.launch_step, async_loop._update
-    monkeypatch.setattr(StepRunner, "launch_bound", bound)
-    monkeypatch.setattr(async_loop, "launch_step",
-                        lambda *a: (events.append(("launch", a[4])), launch(*a))[1])
-    monkeypatch.setattr(async_loop, "_update",
-                        lambda run, in_flight: (events.append(("update", in_flight[0].step)), update(run, in_flight))[1])
+    events = loop_order(launch_bound=lambda batch: batch.num_tokens > batch.num_sampled)
     prompts = prompts_of([5, 23, 41, 1, 9, 16, 30, 12], seed=5)
     kw = dict(max_new_tokens=8, max_batch_size=3, max_batch_tokens=16, block_size=4,
               arrival_steps=[0, 0, 2, 3, 5, 8, 9, 14])

@@ -130,24 +130,15 @@ def test_no_token_after_the_end_reaches_a_stream(tiny, mode):
     assert by_length.token_ids == ref[:7] and by_length.finish_reason == "length"
 
 
-def test_tokens_reach_their_streams_before_a_launch_bound_step_launches(tiny, monkeypatch):
+def test_tokens_reach_their_streams_before_a_launch_bound_step_launches(tiny, monkeypatch, loop_order):
     """A serving async loop delivers batch N's tokens the moment it applies them: before a launch-bound
     step (an eager step on a GPU) launches, each stream already holds them, first tokens included.
     Made to happen on the CPU by calling every step with prompt tokens launch-bound; the tokens are
     those of each request alone, and every other step still launches before it delivers."""
-    from minibatch.core import async_loop
-    from minibatch.core.graphs import StepRunner
     from minibatch.serving.loop import ServingLoop
 
-    events = []
-
-    def bound(self, batch, key):
-        events.append(("asked", batch.num_tokens > batch.num_sampled))
-        return events[-1][1]
-
-    launch, deliver = async_loop.launch_step, ServingLoop.deliver
-    monkeypatch.setattr(StepRunner, "launch_bound", bound)
-    monkeypatch.setattr(async_loop, "launch_step", lambda *a: (events.append(("launch", a[4])), launch(*a))[1])
+    events = loop_order(launch_bound=lambda batch: batch.num_tokens > batch.num_sampled, update=False)
+    deliver = ServingLoop.deliver
     monkeypatch.setattr(ServingLoop, "deliver",
                         lambda self, plan: (events.append(("deliver", plan.step)), deliver(self, plan))[1])
     with minibatch.Engine(tiny) as engine, Serving(engine, "async", max_batch_size=4, max_batch_tokens=8) as server:

@@ -22,22 +22,11 @@ def test_one_slot_with_delay_corrupts_every_time(random_llama, work, stage):
         assert bad != ref
 
 
-def test_one_slot_keeps_the_racy_order_even_when_every_step_is_launch_bound(random_llama, work, monkeypatch):
+def test_one_slot_keeps_the_racy_order_even_when_every_step_is_launch_bound(random_llama, work, loop_order):
     """On a GPU without CUDA graphs every step is launch-bound (StepRunner.launch_bound), and a two-slot
     async loop then updates with batch N before it launches N+1, which on a GPU also hides notebook 04's
     race. A one-slot loop keeps launching N+1 first, or the race it is there to show would vanish."""
-    from minibatch.core import async_loop
-    from minibatch.core.graphs import StepRunner
-
-    events = []
-    launch, update = async_loop.launch_step, async_loop._update
-    monkeypatch.setattr(StepRunner, "launch_bound", lambda self, batch, key: True)
-    monkeypatch.setattr(async_loop, "launch_step", lambda *a: (events.append(("launch", a[4])), launch(*a))[1])
-    def recorded_update(run, in_flight):
-        events.append(("update", in_flight[0].step))
-        return update(run, in_flight)
-
-    monkeypatch.setattr(async_loop, "_update", recorded_update)
+    events = loop_order(launch_bound=lambda batch: True)
     kw = dict(max_new_tokens=6, max_batch_tokens=32)
     ref = minibatch.generate(random_llama, work, mode="sync", **kw)
     for slots in (1, 2):
