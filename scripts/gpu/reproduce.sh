@@ -26,6 +26,9 @@
 #   online     requests arriving as a Poisson process at the engine, sync against async (scripts/online_bench.py)
 #   serving    the HTTP server against transformers serve and the offline engine (serve_bench.sh; needs fastapi,
 #              uvicorn, openai, and rich + accelerate for transformers serve: WHEELS=DIR installs them offline)
+#   latency    the server's latency: sync and async by default against every step a CUDA graph captured at start-up
+#              (--cuda-graphs on --capture-up-to 512), that async server at token budgets 2048, 1024 and 512
+#              (serve_bench.sh, ~25 minutes; not in the default list)
 # Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 55 minutes for everything
 # (the sweep alone ~10: split it with sweep.py's --models where a run has a time limit).
 set -uo pipefail
@@ -75,6 +78,14 @@ for s in $sections; do
               --num-prompts 64 --prompt-len 256 --max-new-tokens 256 --max-batch-size 32 > "$out/$s/online.log" 2>&1
             tail -10 "$out/$s/online.log" ;;
     serving) bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/serving.log" 2>&1; tail -30 "$out/$s/serving.log" ;;
+    latency) export NUM_PROMPTS=64 RATES=4,16,32,inf
+             PARTS="sync async" bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/default.log" 2>&1
+             for b in 2048 1024 512; do  # every step a graph captured at start-up, and the token budget
+               parts=$([ "$b" = 2048 ] && echo "sync async" || echo async)
+               SERVE_FLAGS="--cuda-graphs on --capture-up-to 512" TAG=-allgraphs-capture512-mbt$b MAX_BATCH_TOKENS=$b \
+                 PARTS=$parts bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/mbt$b.log" 2>&1
+             done
+             grep -h "^rate" "$out/$s"/bench-*.log | tail -24 ;;
     *) echo "unknown section $s" >&2; exit 2 ;;
   esac
 done
