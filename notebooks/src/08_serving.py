@@ -637,10 +637,37 @@ fig.savefig(f"{FIGURES}/08_itl_tail_startup_graphs_gpu.png", dpi=110)
 # keys in octaves from 1024 (the extra keys are gathered, never attended to). Each capture is a batch
 # of padding tokens in empty chunks, touching only the scratch cell, as for the decode graphs. On the
 # H200 the async server then made 720 <!-- from figures/data/headline.json: serving_all_graphs.captures --> captures in 69.0 <!-- from figures/data/headline.json: serving_all_graphs.capture_s --> s before it was ready
-# (103.6 <!-- from figures/data/headline.json: serving_all_graphs.ready_s --> s against 22.5 <!-- from figures/data/headline.json: serving_all_graphs.lazy_ready_s -->), and on one machine, side by side with the default servers:
+# (103.6 <!-- from figures/data/headline.json: serving_all_graphs.ready_s --> s against 22.5 <!-- from figures/data/headline.json: serving_all_graphs.lazy_ready_s -->). Below, from the two async servers' timelines on one machine, the request
+# with the median time to first token at 16 requests per second in each, on the same time scale:
 
 # %%
 ALL_GPU = "../figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/"
+fig, axes = plt.subplots(2, 1, figsize=(10, 4.6), sharex=True)
+for ax, (name, title) in zip(axes, (("async", "async, decode steps graphed (the default)"),
+                                    ("async-allgraphs-capture512", "async, every step a graph captured at start-up"))):
+    tl = Timeline.load(f"{ALL_GPU}timeline-{name}.json.gz")
+    arrived = sorted((m["request"], m) for m in tl.request_marks().values() if "first" in m)
+    burst = [m for _, m in arrived[1 + 4 + 64:1 + 4 + 64 + 64]]  # (1 and 4 warm-up requests, then rate 4, then 16)
+    m = sorted(burst, key=lambda m: m["first"] - m["request"])[len(burst) // 2]
+    start = m["request"] - 0.01
+    tl.plot(ax, start=start, end=start + 0.1, step_labels=True)
+    for kind, colour, label in (("request", "#555555", "arrived"), ("scheduled", "#4C72B0", "admitted"),
+                                ("first", "#C44E52", "first token")):
+        ax.axvline(m[kind] - start, color=colour, linestyle="--", linewidth=1, label=label)
+    ax.set_title(f"{title}: first token {1e3 * (m['first'] - m['request']):.0f} ms after it arrived", fontsize=9)
+    ax.legend(loc="lower right", fontsize=7, ncol=3)
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/08_admitting_step_graphed_gpu.png", dpi=110)
+
+# %% [markdown]
+# Above, the request arrives while an eager step (another newcomer's) runs, waits for it to end, and
+# then for its own eager step, each some 30-45 ms of kernels launched one by one. Below, it is admitted
+# into the next step planned, a graph of the padded flat shape, about as long as two decode steps, and
+# the steps around it are short: the one step more that the async loop keeps in flight costs a
+# newcomer a decode step now, not an eager step. Over the whole run, side by side with the default
+# servers:
+
+# %%
 runs = json.load(open(ALL_GPU + "bench_serve.json"))["runs"]
 servers = {"sync": "sync", "async": "async", "sync-allgraphs-capture512": "sync, every step at start-up",
            "async-allgraphs-capture512": "async, every step at start-up"}
