@@ -424,7 +424,8 @@ def test_graphs_captured_at_start_up_serve_every_step(mode, graphs):
     work = prompts(6, model.vocab_size, seed=3)  # prompts of 1-39 tokens, 20 new: within 64
     kw = dict(max_batch_size=4, max_batch_tokens=64, cuda_graphs=graphs)
     with minibatch.Engine(model) as engine:
-        with Serving(engine, mode, capture_up_to=64, **kw) as server:
+        seen = []
+        with Serving(engine, mode, capture_up_to=64, capture_progress=lambda *a: seen.append(a), **kw) as server:
             started = server.stats()
             streams = [server.submit(p, max_new_tokens=20, temperature=0.8 * (i % 2), seed=i) for i, p in enumerate(work)]
             outs = [s.wait(60).token_ids for s in streams]
@@ -437,6 +438,7 @@ def test_graphs_captured_at_start_up_serve_every_step(mode, graphs):
     flat_shapes = (1 if mode == "sync" else 4) if graphs is True else 0
     assert started["startup_graph_captures"] == started["graph_captures"] == (pairs * rows * widths + flat_shapes) * 2
     assert stats["graph_captures"] == started["graph_captures"], (started, stats)  # nothing captured on the way
+    assert seen[-1] == (started["startup_graph_captures"],) * 2 and len(seen) == seen[-1][0]
     if graphs is True:
         assert runner.flat_buckets == flat_buckets(*runner.capacity[:2])
         assert {k[2:5] for k in flat} == {(64, 1024, 4)}

@@ -180,3 +180,19 @@ def test_captures_need_cuda_graphs_and_an_idle_run(random_llama):
         with pytest.raises(ValueError, match="capturing graphs at start-up needs CUDA graphs on a CUDA device"):
             capture_startup_graphs(engine, 64)
         engine.finish()
+
+
+def test_the_server_says_how_far_the_start_up_captures_are():
+    """serve prints a line at each tenth of the captures (a minute or more of silence otherwise)."""
+    import io
+
+    pytest.importorskip("fastapi")
+    from minibatch.serving.server import capture_progress
+
+    out = io.StringIO()
+    progress = capture_progress(out)
+    for done in range(1, 721):
+        progress(done, 720)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[4] for line in lines] == [f"{72 * k}/720" for k in range(1, 11)]
+    assert all(line.startswith("minibatch: start-up CUDA graphs ") for line in lines)

@@ -80,6 +80,21 @@ def _http_stack(http: str) -> str:
     return f"event loop {loop}, HTTP {http}"
 
 
+def capture_progress(out=None):
+    """A `Serving(capture_progress=...)` callback that says how far the start-up captures are, a line at
+    each tenth of them (they take a minute or more for an 8B model, before the server is ready)."""
+    started, said = time.monotonic(), [0]
+
+    def progress(done: int, total: int) -> None:
+        tenth = done * 10 // total
+        if tenth > said[0]:
+            said[0] = tenth
+            print(f"minibatch: start-up CUDA graphs {done}/{total} ({time.monotonic() - started:.0f} s)",
+                  file=out or sys.stderr, flush=True)
+
+    return progress
+
+
 def _lifespan(state: ServerState):
     """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved
     after; meanwhile a watchdog checks that the engine still works."""
@@ -88,13 +103,13 @@ def _lifespan(state: ServerState):
     async def lifespan(app):
         timeline = state.timeline = Timeline(limit=TIMELINE_LIMIT)  # Serving's default, held here to be saved
         try:
-            with gc_pauses(timeline), Engine(state.model) as engine, Serving(engine, **state.serving,
-                                                                              timeline=timeline) as served:
+            with gc_pauses(timeline), Engine(state.model) as engine, Serving(
+                    engine, **state.serving, timeline=timeline, capture_progress=capture_progress()) as served:
                 state.served = served
                 await asyncio.to_thread(_warm_up, state)
                 frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.options.gc_freeze else ""
                 if served.startup_captures:
-                    frozen += f"; {served.startup_captures} decode graphs captured at start-up"
+                    frozen += f"; {served.startup_captures} CUDA graphs captured at start-up"
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
                       f"({_http_stack(state.options.http)}); ready{frozen}", file=sys.stderr, flush=True)
                 ready = time.monotonic(), time.thread_time(), served.stats()["loop_cpu_s"]
