@@ -823,9 +823,11 @@ fig.savefig(f"{FIGURES}/08_prefix_blocks.png", dpi=110)
 #   carry each request's earlier tokens in the batch; the device adds the newest itself.
 # * Prompts that start alike share their full KV blocks (prefix caching): fewer tokens to compute
 #   before the first one, the same tokens out.
-# * A server meets its step shapes as requests arrive: it graphs decode steps only (and can capture
-#   them all before its first request), compiles once for every batch size, and freezes its heap
-#   once warm.
+# * A server meets its step shapes as requests arrive: by default it graphs decode steps only,
+#   compiles once for every batch size, and freezes its heap once warm. Captured before the first
+#   request, every step can be a graph, prefills included: then a newcomer waits for short steps only,
+#   async's time to first token is sync's, and the gaps between tokens stay within a few times their
+#   median, for a longer start-up.
 #
 # ## Exercise
 #
