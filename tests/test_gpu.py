@@ -424,8 +424,9 @@ def test_graphs_captured_at_start_up_serve_every_step(mode, graphs):
     work = prompts(6, model.vocab_size, seed=3)  # prompts of 1-39 tokens, 20 new: within 64
     kw = dict(max_batch_size=4, max_batch_tokens=64, cuda_graphs=graphs)
     with minibatch.Engine(model) as engine:
-        seen = []
-        with Serving(engine, mode, capture_up_to=64, capture_progress=lambda *a: seen.append(a), **kw) as server:
+        seen, serving = [], Serving(engine, mode, capture_up_to=64, **kw)
+        serving.capture_progress = lambda *a: seen.append(a)
+        with serving as server:
             started = server.stats()
             streams = [server.submit(p, max_new_tokens=20, temperature=0.8 * (i % 2), seed=i) for i, p in enumerate(work)]
             outs = [s.wait(60).token_ids for s in streams]

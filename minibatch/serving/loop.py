@@ -252,20 +252,21 @@ class Serving:
     `capture_up_to` (tokens; 0: off) captures, as the block is entered and before any request, the
     CUDA graphs of requests up to that many tokens (speed/startup_graphs.py: no capture on a request's
     path; a GPU run with CUDA graphs only): decode steps', and with cuda_graphs=True every flat step's
-    too, on coarser buckets; `capture_progress(done, total)` is called after each (a minute or more for
-    an 8B model). Bad options raise as the Serving is made; the
+    too, on coarser buckets; a `capture_progress(done, total)` set on the Serving before the block is
+    entered is called after each (a minute or more for an 8B model). Bad options raise as the Serving
+    is made; the
     run is sized and checked against free memory as the block is entered. Leaving the block ends
     every open stream ("cancelled") and joins the thread.
     """
 
     def __init__(self, engine, mode: str | None = None, config: EngineConfig | None = None, *,
                  max_queue: int | None = None, timeline: Timeline | None = None, capture_up_to: int = 0,
-                 capture_progress=None, **options) -> None:
+                 **options) -> None:
         mode = mode or (config.mode if config is not None else "async")
         if not isinstance(capture_up_to, int) or isinstance(capture_up_to, bool) or capture_up_to < 0:
             raise ValueError(f"capture_up_to must be a number of tokens >= 0 (0: off), got {capture_up_to!r}")
         self.engine, self.max_queue, self.capture_up_to = engine, max_queue, capture_up_to
-        self.capture_progress = capture_progress
+        self.capture_progress = None  # set before the block is entered: called (done, total) after each capture
         self.startup_captures = 0
         self.config = with_options(EngineConfig, config, {**options, "mode": mode}, "Serving()")
         if capture_up_to:

@@ -81,7 +81,7 @@ def _http_stack(http: str) -> str:
 
 
 def capture_progress(out=None):
-    """A `Serving(capture_progress=...)` callback that says how far the start-up captures are, a line at
+    """A `Serving.capture_progress` callback that says how far the start-up captures are, a line at
     each tenth of them (they take a minute or more for an 8B model, before the server is ready)."""
     started, said = time.monotonic(), [0]
 
@@ -95,6 +95,13 @@ def capture_progress(out=None):
     return progress
 
 
+def _serving(engine, state: ServerState, timeline: Timeline) -> Serving:
+    """The server's Serving, which says how far its start-up captures are as it starts."""
+    serving = Serving(engine, **state.serving, timeline=timeline)
+    serving.capture_progress = capture_progress()
+    return serving
+
+
 def _lifespan(state: ServerState):
     """The app's lifespan: the engine serves from the warm-up to the server's stop, its timeline saved
     after; meanwhile a watchdog checks that the engine still works."""
@@ -103,8 +110,7 @@ def _lifespan(state: ServerState):
     async def lifespan(app):
         timeline = state.timeline = Timeline(limit=TIMELINE_LIMIT)  # Serving's default, held here to be saved
         try:
-            with gc_pauses(timeline), Engine(state.model) as engine, Serving(
-                    engine, **state.serving, timeline=timeline, capture_progress=capture_progress()) as served:
+            with gc_pauses(timeline), Engine(state.model) as engine, _serving(engine, state, timeline) as served:
                 state.served = served
                 await asyncio.to_thread(_warm_up, state)
                 frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.options.gc_freeze else ""
