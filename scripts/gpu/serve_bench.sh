@@ -21,7 +21,8 @@
 # so the work can be split over several shorter runs into the same OUTDIR (the folder of step 1 is kept and
 # reused). SERVE_FLAGS adds flags to each of our servers and TAG a suffix to their labels, for an A/B of
 # one setting (e.g. SERVE_FLAGS="--switch-interval-ms 0.5" TAG=-si0.5, or SERVE_FLAGS="--capture-up-to 512"
-# TAG=-capture512: every decode graph of the workload captured before the server is ready); BENCH_FLAGS adds flags to every
+# TAG=-capture512: every decode graph of the workload captured before the server is ready; with "--cuda-graphs on" as well,
+# every prefill and mixed step's graph too); BENCH_FLAGS adds flags to every
 # bench-serve (e.g. BENCH_FLAGS="--shared-prefix-len 1024": prompts that share a system prompt). Each server's log ends with its
 # steps, CUDA graph captures and the seconds they held its loop (printed after each server stops), and
 # its engine's timeline (every step's spans, each request's arrival) is written to
