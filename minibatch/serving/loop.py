@@ -254,9 +254,8 @@ class Serving:
     path; a GPU run with CUDA graphs only): decode steps', and with cuda_graphs=True every flat step's
     too, on coarser buckets; a `capture_progress(done, total)` set on the Serving before the block is
     entered is called after each (a minute or more for an 8B model). Bad options raise as the Serving
-    is made; the
-    run is sized and checked against free memory as the block is entered. Leaving the block ends
-    every open stream ("cancelled") and joins the thread.
+    is made; the run is sized and checked against free memory as the block is entered. Leaving the
+    block ends every open stream ("cancelled") and joins the thread.
     """
 
     def __init__(self, engine, mode: str | None = None, config: EngineConfig | None = None, *,

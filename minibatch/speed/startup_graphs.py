@@ -48,6 +48,10 @@ from ..core.penalties import history
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
+
+def _full(n: int, value, dtype=torch.int64) -> torch.Tensor:
+    return torch.full((n,), value, dtype=dtype)
+
 # half-octave tokens (a flat step of a few hundred tokens is bound by reading the weights, so padding
 # it costs little; above, at most 1.5x the tokens), octave keys (the extra keys of the flat layout are
 # gathered, not attended to: the varlen kernel reads each chunk's own); the largest as KEY_BUCKETS'
@@ -60,15 +64,12 @@ def padding_decode_batch(rows: int, width: int, scratch: int, greedy: bool) -> B
     at position 0 in the scratch cell, reading only that cell (the rest of its row: padding, kv_seq -1)."""
     kv_seq = np.full((rows, width), -1, np.int64)
     kv_seq[:, 0] = np.arange(rows)
-    t = torch.from_numpy
     return Batch(
-        input_ids=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
-        q_seq=torch.arange(rows), cell_mapping=torch.full((rows,), scratch, dtype=torch.int64),
-        kv_indices=torch.full((rows * width,), scratch, dtype=torch.int64), kv_seq=t(kv_seq.reshape(-1)),
-        kv_pos=torch.zeros(rows * width, dtype=torch.int64), logits_indices=torch.arange(rows),
-        chunk_starts=_EMPTY, key_starts=_EMPTY,
-        temperature=torch.full((rows,), 0.0 if greedy else 1.0), top_k=torch.zeros(rows, dtype=torch.int64),
-        top_p=torch.ones(rows), seed=torch.zeros(rows, dtype=torch.int64), counter=torch.zeros(rows, dtype=torch.int64),
+        input_ids=_full(rows, 0), positions=_full(rows, 0), q_seq=torch.arange(rows), cell_mapping=_full(rows, scratch),
+        kv_indices=_full(rows * width, scratch), kv_seq=torch.from_numpy(kv_seq.reshape(-1)),
+        kv_pos=_full(rows * width, 0), logits_indices=torch.arange(rows), chunk_starts=_EMPTY, key_starts=_EMPTY,
+        temperature=_full(rows, 0.0 if greedy else 1.0, torch.float32), top_k=_full(rows, 0),
+        top_p=_full(rows, 1.0, torch.float32), seed=_full(rows, 0), counter=_full(rows, 0),
         score_indices=_EMPTY, score_targets=_EMPTY, banned=_EMPTY,
         **history([], [], rows),  # no row penalized: history_*, penalties and the flag as build_batch sets them
         decode_rows=rows, all_greedy=greedy, unfiltered=True,
@@ -86,16 +87,13 @@ def padding_flat_batch(tokens: int, keys: int, rows: int, scratch: int, greedy: 
     """A flat batch as graphs.pad_flat leaves one, `tokens` tokens, `keys` keys and `rows` sampled rows,
     all of them padding: every chunk empty, every token at position 0 writing the scratch cell, every
     key that cell, every row sampling the last token."""
-
-    def full(n: int, value, dtype=torch.int64) -> torch.Tensor:
-        return torch.full((n,), value, dtype=dtype)
-
     return Batch(
-        input_ids=full(tokens, 0), positions=full(tokens, 0), q_seq=full(tokens, -1), cell_mapping=full(tokens, scratch),
-        kv_indices=full(keys, scratch), kv_seq=full(keys, -1), kv_pos=full(keys, 0),
-        logits_indices=full(rows, tokens - 1), chunk_starts=full(rows + 1, 0), key_starts=full(rows + 1, 0),
-        temperature=full(rows, 0.0 if greedy else 1.0, torch.float32), top_k=full(rows, 0),
-        top_p=full(rows, 1.0, torch.float32), seed=full(rows, 0), counter=full(rows, 0),
+        input_ids=_full(tokens, 0), positions=_full(tokens, 0), q_seq=_full(tokens, -1),
+        cell_mapping=_full(tokens, scratch),
+        kv_indices=_full(keys, scratch), kv_seq=_full(keys, -1), kv_pos=_full(keys, 0),
+        logits_indices=_full(rows, tokens - 1), chunk_starts=_full(rows + 1, 0), key_starts=_full(rows + 1, 0),
+        temperature=_full(rows, 0.0 if greedy else 1.0, torch.float32), top_k=_full(rows, 0),
+        top_p=_full(rows, 1.0, torch.float32), seed=_full(rows, 0), counter=_full(rows, 0),
         score_indices=_EMPTY, score_targets=_EMPTY, banned=_EMPTY,
         **history([], [], rows), all_greedy=greedy, unfiltered=True, padded=True,
     )
