@@ -78,8 +78,8 @@ for s in $sections; do
               --num-prompts 64 --prompt-len 256 --max-new-tokens 256 --max-batch-size 32 > "$out/$s/online.log" 2>&1
             tail -10 "$out/$s/online.log" ;;
     serving) bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/serving.log" 2>&1; tail -30 "$out/$s/serving.log" ;;
-    latency) export NUM_PROMPTS=64 RATES=4,16,32,inf
-             PARTS="sync async" bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/default.log" 2>&1
+    latency) PARTS="sync async" bash scripts/gpu/serve_bench.sh "$out/$s" > "$out/$s/default.log" 2>&1  # (64 prompts,
+             # rates 4, 16, 32 and inf: serve_bench.sh's defaults)
              for b in 2048 1024 512; do  # every step a graph captured at start-up, and the token budget
                parts=$([ "$b" = 2048 ] && echo "sync async" || echo async)
                SERVE_FLAGS="--cuda-graphs on --capture-up-to 512" TAG=-allgraphs-capture512-mbt$b MAX_BATCH_TOKENS=$b \
