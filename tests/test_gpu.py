@@ -91,6 +91,28 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
+def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens():
+    """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
+    model) to speed/skinny.py's kernel, and gives the eager tokens (float32); sync and async agree; with
+    skinny=False nothing is routed and the tokens are the same too."""
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="sync", compile=True, **kw) == eager
+        assert engine._compiled.skinny
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+        # per compile: o and down (merged q/k/v and gate/up go to cuBLAS), and the LM head (512 columns)
+        assert set(engine._compiled.routed) == {2 * model.num_layers + 1}
+    plain = CompiledStep(model, skinny=False)
+    with minibatch.Engine(model) as engine:
+        engine._compiled = plain
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+    assert plain.routed == [] and plain.shapes
+
+
 def test_one_compile_serves_every_context_length_with_the_triton_attention():
     """With the Triton attention the keys' length is dynamic in the compiled step: contexts that cross
     several key buckets compile once per row count, and sync and async still agree in bf16."""

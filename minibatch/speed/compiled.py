@@ -2,7 +2,8 @@
 
 `CompiledStep` is what `generate(compile=True)` runs for decode steps; the step runner
 (core/graphs.py) captures its calls as CUDA graphs like any other step. With `merge`, q/k/v and
-gate/up run as one matrix product each (siblings.py). `compile="dynamic"` (what a server uses) compiles
+gate/up run as one matrix product each (siblings.py); with `skinny`, products of a few rows by a
+narrow weight run on a kernel of our own (skinny.py). `compile="dynamic"` (what a server uses) compiles
 one step for every row count instead of one per row count.
 """
 
@@ -42,7 +43,10 @@ class CompiledStep:
     the coarser kv_bucket keys to keep compiles few (StepRunner.build). bf16 tokens may differ from
     the eager step's (other kernels round differently): compare compiled runs with compiled runs.
     With `merge` (the default) q/k/v and gate/up run as one matrix product each (siblings.py); its
-    bf16 tokens may differ from an unmerged compiled step's for the same reason.
+    bf16 tokens may differ from an unmerged compiled step's for the same reason. With `skinny` (the
+    default on CUDA with Triton) the products of 1-4 rows by a narrow weight (a small model's attention
+    output and MLP down projections) run on skinny.py's kernel instead of cuBLAS's, which leaves most of
+    the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds.
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row
@@ -61,13 +65,20 @@ class CompiledStep:
     per step than a compiled one, only in steps whose batch holds a filtered request.
     """
 
-    def __init__(self, model, mode: str | None = None, merge: bool = True, dynamic_rows: bool = False) -> None:
+    def __init__(self, model, mode: str | None = None, merge: bool = True, dynamic_rows: bool = False,
+                 skinny: bool | None = None) -> None:
         self.model = model
         self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
         # one matrix product for sibling projections (q/k/v, gate/up) whose weights Model stacked: siblings.py
         self.merge = merge
         self.attention = model.decode_attention
         self.dynamic_rows = dynamic_rows
+        # products of a few rows by a narrow weight through skinny.py's kernel (default: on CUDA with Triton)
+        if skinny is None:
+            from . import skinny as kernel
+
+            skinny = model.device.type == "cuda" and kernel.available()
+        self.skinny = skinny
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
@@ -77,7 +88,14 @@ class CompiledStep:
         """Per compile (of any CompiledStep of this mode): linear calls merged into a sibling's."""
         from .siblings import backend
 
-        return backend(self.mode).merged if self.merge else []
+        return backend(self.mode, self.merge, self.skinny).merged if self.merge else []
+
+    @property
+    def routed(self) -> list[int]:
+        """Per compile (of any CompiledStep with these options): linear calls routed to skinny.py's kernel."""
+        from .siblings import backend
+
+        return backend(self.mode, self.merge, self.skinny).routed
 
     @property
     def dynamic_keys(self) -> bool:
@@ -85,10 +103,10 @@ class CompiledStep:
         return self.attention == "triton" or self.dynamic_rows
 
     def _compile(self, fn):
-        if self.merge:  # (a graph without sibling projections, such as the sampler's, passes unchanged)
-            from .siblings import backend
+        if self.merge or self.skinny:  # (a graph without sibling projections or products, such as the
+            from .siblings import backend  # sampler's, passes unchanged)
 
-            return torch.compile(fn, dynamic=False, backend=backend(self.mode))
+            return torch.compile(fn, dynamic=False, backend=backend(self.mode, self.merge, self.skinny))
         return torch.compile(fn, dynamic=False, mode=self.mode)
 
     def __call__(self, batch, cache) -> torch.Tensor:

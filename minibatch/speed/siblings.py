@@ -17,7 +17,8 @@ How, in two parts, neither of which changes what the model computes:
 2. `merge(gm, example_inputs)`, a pass over the graph torch.compile captures (CompiledStep runs it
    before Inductor): `linear` calls that share their input and whose weights are consecutive views
    of one storage become one `linear` over the whole block, and each original output is a slice of
-   its result. Inductor then compiles the graph as usual. For inference only: with autograd
+   its result. Inductor then compiles the graph as usual (after skinny.py's pass, where asked:
+   `backend(mode, merging, skinny)`). For inference only: with autograd
    recording, or with an in-place operation between the siblings, a group is left alone.
 
 The module code is transformers' throughout; only the compiled graph and where the weights sit
@@ -174,20 +175,31 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 
 class _Backend:
-    """`merge`, then Inductor with the options of torch.compile's `mode`. `merged`: per compile, how many
-    linear calls went into a sibling's."""
+    """`merge` (with `merging`), then skinny.route (with `skinny`), then Inductor with the options of
+    torch.compile's `mode`. `merged` and `routed`: per compile, how many linear calls went into a
+    sibling's, and how many to the skinny kernel."""
 
-    def __init__(self, mode: str | None) -> None:
-        self.mode, self.merged = mode, []
+    def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False) -> None:
+        self.mode, self.merging, self.skinny, self.merged, self.routed = mode, merging, skinny, [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.merged.append(merge(gm, example_inputs))
+        if self.merging:
+            self.merged.append(merge(gm, example_inputs))
+        if self.skinny:
+            from .skinny import route
+
+            self.routed.append(route(gm, example_inputs))
         return inductor_compile(gm, example_inputs, self.mode)
 
 
+def backend(mode: str | None = None, merging: bool = True, skinny: bool = False) -> _Backend:
+    """The torch.compile backend for `mode` (and the passes): one object per set of options, because
+    torch.compile reuses what it compiled for a function only when the backend is the same object (a
+    new one per engine would compile every shape again, and past its recompile limit run the step
+    uncompiled)."""
+    return _backend(mode, bool(merging), bool(skinny))  # (one cache key however the options are passed)
+
+
 @functools.lru_cache(maxsize=None)
-def backend(mode: str | None = None) -> _Backend:
-    """The torch.compile backend for `mode`: one object per mode, because torch.compile reuses what it
-    compiled for a function only when the backend is the same object (a new one per engine would
-    compile every shape again, and past its recompile limit run the step uncompiled)."""
-    return _Backend(mode)
+def _backend(mode: str | None, merging: bool, skinny: bool) -> _Backend:
+    return _Backend(mode, merging, skinny)

@@ -22,9 +22,9 @@ sums a range of K into a float32 scratch and a second kernel adds the ranges in 
 deterministic, unlike atomic adds, so the same step gives the same bits every time.
 
 Where it is used: `skinny_linear` (the custom operator `minibatch::skinny_linear`) takes the place of
-the `linear` calls of a compiled decode step whose rows are at most MAX_ROWS, on CUDA (siblings.py's
-graph pass, `CompiledStep(skinny=True)`); it picks its settings per shape (`settings`), and runs
-cuBLAS where no setting was measured to win. Sums run in another order than cuBLAS's, so bf16 tokens
+the `linear` calls of a compiled decode step with few rows and a narrow output, on CUDA (`route`, a
+pass of siblings.py's backend; `CompiledStep(skinny=...)`, on by default where Triton is installed);
+it picks its settings per shape (`settings`), and runs cuBLAS where no setting was measured to win. Sums run in another order than cuBLAS's, so bf16 tokens
 may differ from a compiled step without it: compare like with like, as CompiledStep says.
 """
 
@@ -38,8 +38,8 @@ try:
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
 
-#: the most rows the kernel takes; above it every product is cuBLAS's
-MAX_ROWS = 16
+#: the most rows for which a compiled step's products go to the kernel (`settings`); above it cuBLAS's
+MAX_ROWS = 4
 
 
 def available() -> bool:
@@ -51,7 +51,7 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, SPLIT: tl.constexpr):
+                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -66,7 +66,10 @@ if triton is not None:
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
@@ -83,9 +86,13 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, warps: int,
-           stages: int, split: int = 1) -> None:
-    """y = x @ w.T with x [M, K] (M <= MAX_ROWS, rows contiguous), w [N, K] (rows contiguous), y [M, N]."""
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> None:
+    """y = x @ w.T with x [M, K] (a few rows: 16 at most; rows contiguous), w [N, K] (rows contiguous), y [M, N].
+
+    `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
+    pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
+    tile; block_n and block_k at least 16; default False)."""
+    block_n, block_k, split, dot = setting["block_n"], setting["block_k"], setting.get("split", 1), setting.get("dot", False)
     M, K = x.shape
     N = w.shape[0]
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
@@ -93,8 +100,84 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, bloc
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        SPLIT=split > 1, num_warps=warps)
+        BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, num_warps=setting["warps"])
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M, N, y.stride(0), S=split, BLOCK=block)
+
+
+def settings(rows: int, n: int, k: int) -> dict | None:
+    """The kernel's settings for `rows` x [n, k] products, or None where cuBLAS's kernels are as fast.
+
+    From the timings of scripts/experiments/skinny_gemv_ab.py on an H200 (BENCHMARKS.md, small models):
+    the kernel wins by 1.1-3.4x where the output has few columns (n <= 2048: a 0.6B model's attention
+    output and MLP down products) and the rows are few (1-4); with 8 rows, or wider outputs, cuBLAS is
+    within a few percent of the best setting, so it keeps those. One setting serves them all: 4 columns
+    per program (1024 columns make 256 programs), K in pieces of 1024, 4 warps, 3 pipeline stages.
+    """
+    if rows < 1 or rows > MAX_ROWS or n > 2048:
+        return None
+    return dict(block_n=4, block_k=1024, warps=4, stages=3)
+
+
+# Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the
+# choice of kernel is made where the real row count is known (a server's compile has symbolic rows).
+@torch.library.custom_op("minibatch::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T, by the kernel where `settings` picks it (CUDA), else F.linear."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // max(k, 1)
+    chosen = settings(rows, n, k) if x.is_cuda and available() and weight.stride(-1) == 1 else None
+    if chosen is None:
+        return torch.nn.functional.linear(x, weight)
+    flat = x.reshape(rows, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    y = x.new_empty(rows, n)
+    launch(flat, weight, y, chosen)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@skinny_linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -> int:
+    """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
+    `linear` call without a bias whose weight has at most 2048 rows (`settings`' outputs) and whose input
+    has at most MAX_ROWS rows (or a symbolic count) becomes a `skinny_linear` call, which picks the kernel
+    or F.linear per call. Returns how many calls it routed. `on_cuda_only=False`: route CPU graphs too
+    (tests: there the operator runs F.linear)."""
+    from .compat import LINEAR_TARGETS
+
+    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    routed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS or len(node.args) < 2:
+            continue
+        if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
+            continue  # (a bias: not the kernel's)
+        x, w = node.args[:2]
+        weight = real.get(w)
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(weight, torch.Tensor) or not isinstance(value, torch.Tensor) or weight.dim() != 2:
+            continue  # (a merged sibling product's weight is an as_strided view: wide, left to cuBLAS)
+        if (on_cuda_only and not weight.is_cuda) or weight.shape[0] > 2048:
+            continue
+        rows = 1
+        for size in value.shape[:-1]:
+            rows = rows * size
+        if isinstance(rows, int) and rows > MAX_ROWS:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.minibatch.skinny_linear.default, (x, w))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        routed += 1
+    if routed:
+        gm.graph.lint()
+        gm.recompile()
+    return routed

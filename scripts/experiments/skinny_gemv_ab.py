@@ -5,8 +5,8 @@
 For each matrix product of a decode step of `--model` as the compiled step runs it (q/k/v and gate/up
 merged: siblings.py), at each row count: cuBLAS (`torch.mm`) against the Triton kernel of
 minibatch/speed/skinny.py at every setting of a grid (columns per program, K per piece, warps,
-pipeline stages, K splits), each over as many distinct weight copies as the model has layers (so
-nothing stays in the L2 cache), in one CUDA graph per variant; the floor is the weights' bytes at the
+pipeline stages, K splits; plain multiply-adds or tensor cores), each over as many distinct weight
+copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant; the floor is the weights' bytes at the
 copy bandwidth measured here. Checks each result against cuBLAS's within bf16 rounding. Prints each
 shape's best setting and the model's products summed (cuBLAS, the kernel's best, the floor), and
 writes OUTDIR/skinny_gemv.json with every timing.
@@ -59,7 +59,9 @@ def main() -> None:
     print(f"{args.model}: copy bandwidth {bw / 1e9:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     grid = [dict(block_n=n, block_k=k, warps=w, stages=s, split=p)
-            for n, k, w, s, p in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3), (1, 2, 4))]
+            for n, k, w, s, p in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3), (1, 2, 4))] + [
+        dict(block_n=n, block_k=k, warps=w, stages=s, split=p, dot=True)  # tensor cores, 16 rows a tile
+        for n, k, w, s, p in itertools.product((16, 32), (256, 512, 1024), (4, 8), (2, 4), (1, 2, 4))]
     results = {"model": args.model, "copy_bandwidth": bw, "rows": rows, "layers": layers, "shapes": {},
                "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d"), "command": "python3 scripts/experiments/skinny_gemv_ab.py "
@@ -80,12 +82,12 @@ def main() -> None:
             t_cublas = graph_replay_ms(cublas, 20)
             timings, t0 = [], time.perf_counter()
             for c in grid:
-                if max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] > 256 * 32 * c["warps"]:
+                if not c.get("dot") and max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] > 256 * 32 * c["warps"]:
                     continue  # (more than 256 products per thread per piece: registers spill)
 
                 def run(c=c):
                     for w, y in zip(ws, ys):
-                        skinny.launch(x, w, y, **c)
+                        skinny.launch(x, w, y, c)
                 try:
                     run()
                     torch.cuda.synchronize()

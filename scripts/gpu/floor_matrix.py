@@ -1,7 +1,8 @@
 """The decode step against its full floor, at fixed batch sizes and context lengths (GPU only).
 
     python3 scripts/gpu/floor_matrix.py OUTDIR [--model llama3-8b-shape] [--batches 1,8,32,128]
-                                               [--contexts 512,2048] [--compile [--unmerged]] [--kernels [top]]
+                                               [--contexts 512,2048] [--compile [--unmerged] [--skinny-ab]]
+                                               [--kernels [top|all]]
 
 Why not read the step off a generate run: there the batch changes as requests arrive and finish, and
 at large batch x context most steps are prefill. Here every point is one decode step at exactly
@@ -20,7 +21,9 @@ at large batch x context most steps are prefill. Here every point is one decode 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
 shapes; coarser key buckets), with the seconds its first call took (compilation) beside it, and with
---unmerged also "unmerged", the same without one product for sibling projections (siblings.py).
+--unmerged also "unmerged", the same without one product for sibling projections (siblings.py), and
+with --skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
+products of 1-4 rows by a narrow weight on speed/skinny.py's kernel).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -63,6 +66,7 @@ def kernel_breakdown(replay, reps: int = 5) -> dict:
         torch.cuda.synchronize()
     out = {"matmul": 0.0, "attention": 0.0, "other": 0.0, "kernels": 0}
     by_name: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower() or "memset" in e.name.lower():
             continue
@@ -71,13 +75,16 @@ def kernel_breakdown(replay, reps: int = 5) -> dict:
         ms = (e.time_range.end - e.time_range.start) / 1e3 / reps
         out[kind] += ms
         out["kernels"] += 1 / reps
-        by_name[f"{kind}: {e.name[:90]}"] = by_name.get(f"{kind}: {e.name[:90]}", 0.0) + ms
-    out["top"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]  # the kernels that take the most
+        key = f"{kind}: {e.name[:90]}"
+        by_name[key] = by_name.get(key, 0.0) + ms
+        calls[key] = calls.get(key, 0) + 1 / reps
+    # the kernels that take the most: (name, ms per step, calls per step)
+    out["top"] = sorted(((k, ms, calls[k]) for k, ms in by_name.items()), key=lambda t: -t[1])
     return out
 
 
 def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | None, replays: int,
-                 kernels: bool = False, verbose: bool = False) -> dict:
+                 kernels: bool = False, verbose: str | None = None) -> dict:
     """Mean ms of one graphed decode step at `batch` rows x `context` tokens (+ the new one)."""
     cache = model.make_cache(batch * (-(-(context + 2) // BLOCK) + 1) + 8, BLOCK)
     for layer in range(model.num_layers):  # stand-in contents: the time does not depend on them
@@ -108,8 +115,8 @@ def decode_point(model, dev, batch: int, context: int, compiled: CompiledStep | 
     if parts:
         parts["gaps"] = ms - parts["matmul"] - parts["attention"] - parts["other"]
         if verbose:
-            for name, kms in parts["top"]:
-                print(f"{'':18} {kms:6.3f} ms  {name}", flush=True)
+            for name, kms, n in parts["top"][:None if verbose == "all" else 12]:
+                print(f"{'':18} {kms:6.3f} ms {n:5.0f} calls  {name}", flush=True)
     del runner, graph, args, slot, cache
     torch.cuda.empty_cache()
     return {"ms": ms, "first_call_s": first_s, "rows_padded": host.decode_rows, "keys_per_row": keys,
@@ -129,10 +136,14 @@ def main() -> None:
     ap.add_argument("--unmerged", action="store_true",
                     help="with --compile, also time the compiled step without merging sibling projections "
                          "(siblings.py): the two side by side")
+    ap.add_argument("--skinny-ab", action="store_true",
+                    help="with --compile, also time the compiled step with every product on cuBLAS (\"cublas\"), "
+                         "beside the default one, whose products of 1-4 rows by a narrow weight run on "
+                         "speed/skinny.py's kernel")
     ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top"],
+    ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
-                         "gaps); 'top': and print the twelve kernels that take the most time")
+                         "gaps); 'top': and print the twelve kernels that take the most time; 'all': every kernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("floor_matrix.py measures CUDA graph replays: it needs a CUDA GPU")
@@ -152,6 +163,8 @@ def main() -> None:
         paths["compile"] = CompiledStep(model, args.compile_mode)
         if args.unmerged:
             paths["unmerged"] = CompiledStep(model, args.compile_mode, merge=False)
+        if args.skinny_ab:
+            paths["cublas"] = CompiledStep(model, args.compile_mode, skinny=False)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
           flush=True)
@@ -164,8 +177,10 @@ def main() -> None:
                 row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
                     r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
-                                     args.kernels == "top")
+                                     args.kernels if args.kernels in ("top", "all") else None)
                     row[name] = {**r, "over_floor": r["ms"] / floor}
+                    if compiled is not None:  # linear calls on skinny.py's kernel in this point's compile
+                        row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)

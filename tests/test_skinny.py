@@ -1,0 +1,134 @@
+"""speed/skinny.py: the kernel for products of a few rows by a narrow weight, where it is used, and how.
+
+The kernel itself runs on a GPU, or on a CPU in Triton's interpreter (switched on before anything
+imports triton: `pip install triton && TRITON_INTERPRET=1 python -m pytest tests/test_skinny.py`);
+elsewhere those tests are skipped. The operator and the graph pass run everywhere (off CUDA the
+operator is F.linear). tests/test_gpu.py checks a compiled step that uses the kernel.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from minibatch.speed import skinny
+
+KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def test_the_kernel_is_chosen_for_few_rows_and_narrow_outputs_only():
+    """`settings`: rows 1-4 and at most 2048 output columns (where it was measured to win); else cuBLAS."""
+    assert skinny.settings(1, 1024, 2048) == dict(block_n=4, block_k=1024, warps=4, stages=3)
+    assert skinny.settings(4, 2048, 8192) is not None
+    assert skinny.settings(skinny.MAX_ROWS + 1, 1024, 2048) is None  # 8 rows: cuBLAS is as fast
+    assert skinny.settings(1, 4096, 1024) is None  # a wide output: cuBLAS is as fast
+    assert skinny.settings(0, 1024, 1024) is None
+
+
+def test_the_operator_off_cuda_is_linear():
+    """skinny_linear on the CPU: F.linear's result, for inputs with leading dimensions too."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 3, 64, generator=g), torch.randn(32, 64, generator=g)
+    y = torch.ops.minibatch.skinny_linear(x, w)
+    assert y.shape == (1, 3, 32) and torch.equal(y, torch.nn.functional.linear(x, w))
+
+
+class _Three(torch.nn.Module):
+    """A narrow product, a wide one and one with a bias: only the first is the kernel's."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrow = torch.nn.Linear(64, 32, bias=False)
+        self.wide = torch.nn.Linear(32, 4096, bias=False)
+        self.biased = torch.nn.Linear(4096, 16)
+
+    def forward(self, x):
+        return self.biased(self.wide(self.narrow(x)))
+
+
+@pytest.mark.parametrize("rows, routed", [(2, 1), (skinny.MAX_ROWS + 4, 0)])
+def test_route_sends_narrow_products_of_few_rows_to_the_operator(rows, routed):
+    """The graph pass, on the graph torch.compile captures: the narrow product without a bias goes to
+    skinny_linear when the rows are few, nothing else does, and the result is unchanged."""
+    torch.manual_seed(1)
+    module = _Three().eval()
+    x = torch.randn(1, rows, 64)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(skinny.route(gm, example_inputs, on_cuda_only=False))
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        seen.append(targets.count(torch.ops.minibatch.skinny_linear.default))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(module, backend=backend, dynamic=False)(x)
+        want = module(x)
+    assert seen == [routed, routed]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_route_leaves_cpu_graphs_alone_by_default():
+    torch.manual_seed(1)
+    module = _Three().eval()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(skinny.route(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=backend, dynamic=False)(torch.randn(1, 2, 64))
+    assert seen == [0]
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="Inductor compiles C++ on a CPU")
+def test_the_backend_runs_the_pass_and_inductor_compiles_the_operator():
+    """siblings.backend with skinny=True on a CPU graph: the pass routes nothing there (CPU weights),
+    and a compile of a graph that holds the operator works through Inductor (its fake implementation)."""
+    from minibatch.speed import siblings
+
+    torch.manual_seed(1)
+    module = _Three().eval()
+    x = torch.randn(1, 2, 64)
+    b = siblings.backend("cpu-skinny-test", True, True)
+    b.mode = None  # (Inductor's default options)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(module, backend=b, dynamic=False)(x)
+
+        def with_op(x):
+            return torch.ops.minibatch.skinny_linear(x, module.narrow.weight) * 2
+
+        doubled = torch.compile(with_op, backend=b, dynamic=False)(x)
+    assert b.routed == [0, 0]
+    assert torch.allclose(got, module(x), atol=1e-5)
+    assert torch.allclose(doubled, 2 * module.narrow(x), atol=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("setting", [
+    dict(block_n=4, block_k=32, warps=4, stages=3),
+    dict(block_n=8, block_k=64, warps=4, stages=1, split=2),
+    dict(block_n=4, block_k=32, warps=4, stages=3, split=4),
+    dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
+    dict(block_n=16, block_k=16, warps=4, stages=2, split=3, dot=True),
+], ids=["plain", "split2", "split4", "dot", "dot-split3"])
+def test_the_kernel_computes_the_product(rows, setting):
+    """launch against x @ w.T (float32) with K not a multiple of the piece, N not of the columns per
+    program; with K splits the same bits on every call (the partial sums are added in a fixed order)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g).to(DEVICE)
+    w = torch.randn(52, 200, generator=g).to(DEVICE)
+    y, again = (torch.empty(rows, 52, device=DEVICE) for _ in range(2))
+    skinny.launch(x, w, y, setting)
+    skinny.launch(x, w, again, setting)
+    tol = 5e-2 if setting.get("dot") and DEVICE == "cuda" else 1e-4  # (tensor cores: TF32 on a GPU)
+    assert torch.allclose(y, x @ w.T, atol=tol, rtol=tol)
+    assert torch.equal(y, again)
