@@ -110,13 +110,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> 
 def settings(rows: int, n: int, k: int) -> dict | None:
     """The kernel's settings for `rows` x [n, k] products, or None where cuBLAS's kernels are as fast.
 
-    From the timings of scripts/experiments/skinny_gemv_ab.py on an H200 (BENCHMARKS.md, small models):
-    the kernel wins by 1.1-3.4x where the output has few columns (n <= 2048: a 0.6B model's attention
-    output and MLP down products) and the rows are few (1-4); with 8 rows, or wider outputs, cuBLAS is
-    within a few percent of the best setting, so it keeps those. One setting serves them all: 4 columns
-    per program (1024 columns make 256 programs), K in pieces of 1024, 4 warps, 3 pipeline stages.
+    From the timings on an H200 (scripts/experiments/skinny_gemv_ab.py and floor_matrix.py --skinny-ab;
+    BENCHMARKS.md, small models): with one row the kernel is as fast as cuBLAS or faster on every
+    product of a 0.6B and a 1B model with at most 2048 output columns, and 1.5-3.4x faster on the 0.6B
+    model's attention output and MLP down products (1024 columns, where cuBLAS's tiles leave most SMs
+    idle); with 4 rows it still wins on 1024 columns but loses on the 1B model's 2048; with 8 rows
+    cuBLAS is within a few percent of the best setting. So: one row and n <= 2048, or 2-4 rows and
+    n <= 1024 (2 and 3 rows were not timed apart: they take 4 rows' rule). One setting serves them
+    all: 4 columns per program (1024 columns make 256 programs), K in pieces of 1024, 4 warps, 3
+    pipeline stages.
     """
-    if rows < 1 or rows > MAX_ROWS or n > 2048:
+    if rows < 1 or rows > MAX_ROWS or n > (2048 if rows == 1 else 1024):
         return None
     return dict(block_n=4, block_k=1024, warps=4, stages=3)
 
@@ -146,9 +150,9 @@ def _(x, weight):
 
 def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -> int:
     """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
-    `linear` call without a bias whose weight has at most 2048 rows (`settings`' outputs) and whose input
-    has at most MAX_ROWS rows (or a symbolic count) becomes a `skinny_linear` call, which picks the kernel
-    or F.linear per call. Returns how many calls it routed. `on_cuda_only=False`: route CPU graphs too
+    `linear` call without a bias for which `settings` may pick the kernel (its input has at most MAX_ROWS
+    rows, or a symbolic count; its weight at most 2048 rows) becomes a `skinny_linear` call, which picks
+    the kernel or F.linear per call, from the real row count. Returns how many calls it routed. `on_cuda_only=False`: route CPU graphs too
     (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 

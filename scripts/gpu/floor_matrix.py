@@ -54,7 +54,7 @@ from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
-KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),
+KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk", "_skinny_kernel", "_sum_splits"),
          "attention": ("_decode_kernel", "_combine_kernel", "flash", "attention", "fmha")}
 
 
