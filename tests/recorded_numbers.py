@@ -221,11 +221,39 @@ def serving_all_graphs() -> dict:
     return out
 
 
+def small_models() -> dict:
+    """Small models' compiled decode step with the few-row products on speed/skinny.py's kernel against all
+    on cuBLAS (floor_matrix.py --skinny-ab), and the products alone (skinny_gemv_ab.py); one H200."""
+    run = DATA / "runs/gpu_small_models_skinny_2026-12-04/"
+    out = {}
+    for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-1b-shape", "l1b")):
+        for p in json.loads((run / f"floor_matrix_{model}.json").read_text())["points"]:
+            b = p["batch"]
+            out[f"{short}_b{b}_floor_ms"] = p["floor_ms"]
+            for path, name in (("compile", "skinny"), ("cublas", "cublas")):
+                out[f"{short}_b{b}_{name}_ms"] = p[path]["ms"]
+                out[f"{short}_b{b}_{name}_x"] = p[path]["over_floor"]
+                out[f"{short}_b{b}_{name}_kernels"] = p[path]["kernels"]["kernels"]
+            out[f"{short}_b{b}_routed"] = p["compile"]["routed"]
+            out[f"{short}_b{b}_compile_s"] = p["compile"]["first_call_s"]
+    gemv = json.loads((run / "skinny_gemv_qwen3-0.6b-shape.json").read_text())
+    for rows in ("1", "4", "8"):
+        t = gemv["total"][rows]
+        out[f"q06_products_m{rows}_cublas_ms"] = t["cublas_ms"]
+        out[f"q06_products_m{rows}_best_ms"] = t["best_ms"]
+        out[f"q06_products_floor_ms"] = t["floor_ms"]
+    for name in ("o", "down"):
+        for rows in ("1", "4"):
+            r = gemv["shapes"][name][rows]
+            out[f"q06_{name}_m{rows}_speedup"] = r["cublas_ms"] / r["triton_ms"]
+    return out
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
-            "serving_all_graphs": serving_all_graphs}
+            "serving_all_graphs": serving_all_graphs, "small_models": small_models}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -255,7 +283,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "serving_all_graphs": ["figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/bench_serve.json",
                                   "figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/startup.tsv",
                                   "figures/data/runs/gpu_serving_all_graphs_startup_2026-12-04/"
-                                  "server-async-allgraphs-capture512.log"]}
+                                  "server-async-allgraphs-capture512.log"],
+           "small_models": ["figures/data/runs/gpu_small_models_skinny_2026-12-04/floor_matrix_qwen3-0.6b-shape.json",
+                            "figures/data/runs/gpu_small_models_skinny_2026-12-04/floor_matrix_llama3-1b-shape.json",
+                            "figures/data/runs/gpu_small_models_skinny_2026-12-04/skinny_gemv_qwen3-0.6b-shape.json"]}
 
 
 def derive() -> dict:
