@@ -305,7 +305,8 @@ for rows in mm["rows"]:
 # neighbouring weights into one call and a slice of its output for each. In the figure above that is the
 # gap between the two compiled lines: 0.46-0.74 ms per step, where the product timings predicted 0.5. The eager
 # step cannot have it: its products are the modules' own calls. A hand-written Triton kernel for
-# few-row products, the other idea tried, won only 4% at 1 row and lost at 128 (BENCHMARKS.md has both).
+# few-row products, the other idea tried, won only 4% at 1 row and lost at 128 on the 8B model
+# (BENCHMARKS.md has both); on a small model it is another story, at the end of this section.
 
 # %% [markdown]
 # The pass is small enough to watch on a CPU. Below, the small random Llama (two layers) gets its
@@ -359,6 +360,67 @@ with torch.no_grad():
 # In layer 0, q/k/v became one call (it reads its stacked weight through q's, whose storage holds all
 # three) and gate/up another; o and down stay alone (as does the LM head, after the last layer). The slices of the merged output that
 # replace the old calls are views, which Inductor folds into the kernels that read them.
+
+# %% [markdown]
+# ### Small models: products too small for cuBLAS
+#
+# A 0.6B model (Qwen3-0.6B's shape: hidden size 1024, 28 layers) asks the same question with other
+# sizes. Its weights are 2-12 MB per product, and the attention output `o` and the MLP's `down` have
+# only 1024 output columns: cuBLAS cuts them into too few tiles to keep 132 multiprocessors reading.
+# `minibatch/speed/skinny.py` is a short Triton kernel for such products. Each program owns 4 output
+# columns (1024 columns make 256 programs) and streams their weights in pieces of 1024 inputs,
+# multiplying with plain multiply-adds: with a handful of rows there is too little arithmetic for
+# tensor cores to matter. `scripts/experiments/skinny_gemv_ab.py` timed every product of the 0.6B shape
+# both ways (28 weight copies in one CUDA graph, cuBLAS against the kernel's best setting):
+
+# %%
+SMALL = DATA + "runs/gpu_small_models_skinny_2026-12-04/"
+gemv = json.load(open(SMALL + "skinny_gemv_qwen3-0.6b-shape.json"))
+copy_gbs = gemv["copy_bandwidth"] / 1e9
+products = list(gemv["shapes"])
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), sharey=True)
+for ax, rows in zip(axes, ("1", "4")):
+    for i, (key, label) in enumerate((("cublas_ms", "cuBLAS"), ("triton_ms", "skinny.py's kernel, best setting"))):
+        gbs = [gemv["shapes"][n][rows]["floor_ms"] * copy_gbs / gemv["shapes"][n][rows][key] for n in products]
+        ax.bar([j + 0.4 * i for j in range(len(products))], gbs, width=0.4, label=label)
+    ax.axhline(copy_gbs, color="black", ls="--", lw=1)
+    ax.set_xticks([j + 0.2 for j in range(len(products))], products, fontsize=8)
+    ax.set_title(f"0.6B shape, {rows} row{'s' * (rows != '1')}", fontsize=10)
+axes[0].set_ylabel("GB/s reached (H200)")
+axes[0].text(-0.4, copy_gbs * 1.02, f"copy {copy_gbs:.0f} GB/s", ha="left", fontsize=8)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+fig.tight_layout(rect=(0, 0.08, 1, 1))
+fig.savefig(f"{FIGURES}/07_small_model_products_gpu.png", dpi=110)
+print(f"{'product':8} {'N x K':>12} {'rows':>4} {'cuBLAS ms':>9} {'kernel ms':>9}   (28 layers; the LM head once)")
+for n in products:
+    for rows in gemv["rows"]:
+        shape, r = gemv["shapes"][n], gemv["shapes"][n][str(rows)]
+        print(f"{n:8} {shape['N']:>6}x{shape['K']:<5} {rows:4d} {r['cublas_ms']:9.3f} {r['triton_ms']:9.3f}")
+
+# %% [markdown]
+# Where cuBLAS is starved the kernel wins big: `o` streams 3.8x <!-- from figures/data/headline.json: small_models.q06_o_m1_speedup --> faster with one row, `down` 1.5x <!-- from figures/data/headline.json: small_models.q06_down_m1_speedup -->
+# (1.9x <!-- from figures/data/headline.json: small_models.q06_o_m4_speedup --> and 1.1x <!-- from figures/data/headline.json: small_models.q06_down_m4_speedup --> with 4 rows). On the wide products (q/k/v and gate/up merged, the LM head) it only ties,
+# and with 8 rows cuBLAS is as fast as its best setting. `skinny.settings` writes that down as a rule
+# (one row: up to 2048 output columns; 2-4 rows: up to 1024; otherwise cuBLAS), and the compiled step's
+# graph gets one more pass after the sibling merge, `skinny.route`, which hands those `linear` calls to a
+# custom operator, `minibatch::skinny_linear`, that picks the kernel or cuBLAS from the real row count.
+# Whole decode steps, with the pass and without it, in one process (`floor_matrix.py --skinny-ab`):
+
+# %%
+print(f"{'model':17} {'batch':>5} {'floor':>6} {'cuBLAS':>13} {'with the kernel':>16}   (ms per step, x floor)")
+for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
+    for p in json.load(open(SMALL + f"floor_matrix_{name}.json"))["points"]:
+        print(f"{name:17} {p['batch']:5d} {p['floor_ms']:6.2f} {p['cublas']['ms']:6.2f} ({p['cublas']['over_floor']:.2f}x)"
+              f" {p['compile']['ms']:8.2f} ({p['compile']['over_floor']:.2f}x)")
+
+# %% [markdown]
+# The 0.6B step goes from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> to 3.41x <!-- from figures/data/headline.json: small_models.q06_b1_skinny_x --> its floor at batch 1 and from 4.37x <!-- from figures/data/headline.json: small_models.q06_b4_cublas_x --> to 3.80x <!-- from figures/data/headline.json: small_models.q06_b4_skinny_x --> at batch 4; the 1B step, whose
+# products are wider, gains little (1.79x <!-- from figures/data/headline.json: small_models.l1b_b1_cublas_x --> to 1.70x <!-- from figures/data/headline.json: small_models.l1b_b1_skinny_x --> at batch 1). What keeps the 0.6B step above 3x is no
+# longer one slow product but the number of kernels: 348 <!-- from figures/data/headline.json: small_models.q06_b1_skinny_kernels --> per step, 12 per layer (two RMSNorms, four products,
+# three for the q/k norms, rotary embedding and cache writes, the attention and its combine step, the
+# activation), each taking 1.5-5 microseconds however few bytes it reads, against a floor of about 10 microseconds per
+# layer. Going further means fewer, larger kernels (a whole layer in one, as the "megakernel" work on
+# Llama-1B does), not faster ones.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
