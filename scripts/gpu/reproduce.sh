@@ -19,6 +19,9 @@
 #              kernel's launch settings swept (experiments/decode_kernel_tune.py)
 #   linear     the 8B shape's Linear layers at 1-128 rows: cuBLAS, a Triton skinny-product kernel, merged
 #              projections, against the weight floor (experiments/skinny_mm_ab.py)
+#   small      small models (0.6B and 1B shapes): the compiled decode step with few-row products on
+#              speed/skinny.py's kernel against all on cuBLAS (floor_matrix.py --skinny-ab), and the 0.6B
+#              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -29,12 +32,12 @@
 #   latency    the server's latency: sync and async by default against every step a CUDA graph captured at start-up
 #              (--cuda-graphs on --capture-up-to 512), that async server at token budgets 2048, 1024 and 512
 #              (serve_bench.sh, ~25 minutes; not in the default list)
-# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 55 minutes for everything
+# Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 65 minutes for everything
 # (the sweep alone ~10: split it with sweep.py's --models where a run has a time limit).
 set -uo pipefail
 out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-tests headline eager arrivals compile floor prefill kernels linear triton profile sweep host online serving}
+sections=${*:-tests headline eager arrivals compile floor prefill kernels linear small triton profile sweep host online serving}
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
@@ -66,6 +69,12 @@ for s in $sections; do
              tail -6 "$out/$s/decode_kernel_tune.log" ;;
     linear) python3 scripts/experiments/skinny_mm_ab.py "$out/$s" > "$out/$s/skinny_mm.log" 2>&1
             tail -5 "$out/$s/skinny_mm.log" ;;
+    small) for m in qwen3-0.6b-shape llama3-1b-shape; do
+             python3 scripts/gpu/floor_matrix.py "$out/$s/$m" --model $m --batches 1,4,8 --contexts 512 --compile \
+                 --skinny-ab --kernels > "$out/$s/floor_$m.log" 2>&1; tail -12 "$out/$s/floor_$m.log"
+           done
+           python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --model qwen3-0.6b-shape --rows 1,4,8 \
+               > "$out/$s/skinny_gemv.log" 2>&1; tail -4 "$out/$s/skinny_gemv.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
