@@ -2,11 +2,10 @@
 
 Why: a decode step multiplies a handful of rows (the batch) by every weight matrix once, so each
 product should take the time to stream its weight from memory. For a 0.6B model's weights (2-12 MB
-per product) cuBLAS's kernels reach a third of the bandwidth or less (BENCHMARKS.md, small models):
-too few of its tiles run at once to keep every SM reading, and small outputs (1024 columns) give
-few tiles in the first place. This kernel gives each program a thin slice of output columns
-(`block_n`, 2 to 16 of them), so even 1024 columns make hundreds of programs, and streams those
-columns' weights in `block_k`-wide pieces:
+per product) cuBLAS reaches a third of the copy bandwidth or less on the products with 1024 output
+columns (BENCHMARKS.md, small models): they make too few of its tiles to keep every SM reading.
+This kernel gives each program a thin slice of output columns (`block_n`: 4 in the setting it ships
+with), so 1024 columns make 256 programs, and streams those columns' weights in `block_k`-wide pieces:
 
     one program per `block_n` output columns (and per split of K, with `split` > 1):
         acc[m, n] = 0                                         (float32, m < rows)
@@ -16,16 +15,18 @@ columns' weights in `block_k`-wide pieces:
             acc += sum over the piece of x[:, None, :] * w[None, :, :]
         Y[rows, columns] = acc                               (or the split's partial sum)
 
-No tensor cores: with 1 to 16 rows the products are a few multiply-adds per weight byte, far below
-what the plain arithmetic units do, and `tl.dot` would want 16 rows. With `split` > 1 each program
+Plain multiply-adds: with 1 to 4 rows there are a few per weight byte, far below what the arithmetic
+units do. (`dot` puts them on tensor cores, in tiles of 16 rows; the timings preferred it only for
+8 rows or wide outputs, where cuBLAS is as fast, so it is not used.) With `split` > 1 each program
 sums a range of K into a float32 scratch and a second kernel adds the ranges in a fixed order:
 deterministic, unlike atomic adds, so the same step gives the same bits every time.
 
 Where it is used: `skinny_linear` (the custom operator `minibatch::skinny_linear`) takes the place of
 the `linear` calls of a compiled decode step with few rows and a narrow output, on CUDA (`route`, a
 pass of siblings.py's backend; `CompiledStep(skinny=...)`, on by default where Triton is installed);
-it picks its settings per shape (`settings`), and runs cuBLAS where no setting was measured to win. Sums run in another order than cuBLAS's, so bf16 tokens
-may differ from a compiled step without it: compare like with like, as CompiledStep says.
+it picks its setting per shape (`settings`), and runs cuBLAS where none was measured to win. Sums run
+in another order than cuBLAS's, so bf16 tokens may differ from a compiled step without it: compare
+like with like, as CompiledStep says.
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ if triton is not None:
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> None:
-    """y = x @ w.T with x [M, K] (a few rows: 16 at most; rows contiguous), w [N, K] (rows contiguous), y [M, N].
+    """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
     tile; block_n and block_k at least 16; default False)."""
-    block_n, block_k, split, dot = setting["block_n"], setting["block_k"], setting.get("split", 1), setting.get("dot", False)
+    block_n, block_k = setting["block_n"], setting["block_k"]
+    split, dot = setting.get("split", 1), setting.get("dot", False)
     M, K = x.shape
     N = w.shape[0]
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
@@ -111,14 +113,14 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     """The kernel's settings for `rows` x [n, k] products, or None where cuBLAS's kernels are as fast.
 
     From the timings on an H200 (scripts/experiments/skinny_gemv_ab.py and floor_matrix.py --skinny-ab;
-    BENCHMARKS.md, small models): with one row the kernel is as fast as cuBLAS or faster on every
-    product of a 0.6B and a 1B model with at most 2048 output columns, and 1.5-3.4x faster on the 0.6B
-    model's attention output and MLP down products (1024 columns, where cuBLAS's tiles leave most SMs
-    idle); with 4 rows it still wins on 1024 columns but loses on the 1B model's 2048; with 8 rows
-    cuBLAS is within a few percent of the best setting. So: one row and n <= 2048, or 2-4 rows and
-    n <= 1024 (2 and 3 rows were not timed apart: they take 4 rows' rule). One setting serves them
-    all: 4 columns per program (1024 columns make 256 programs), K in pieces of 1024, 4 warps, 3
-    pipeline stages.
+    BENCHMARKS.md, small models): on the 0.6B model's attention output and MLP down products (1024
+    columns, where cuBLAS's tiles leave most SMs idle) this setting is 1.5-3.4x faster than cuBLAS with
+    one row and 1.1-1.7x with 4; on its wide products (4096 columns and more) it only ties with one row
+    and loses with 4; the 1B model's step (o and down with 2048 columns) was faster with the kernel at
+    one row and slower at 4 rows; with 8 rows cuBLAS is within a few percent of the kernel's best
+    setting everywhere. So: one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
+    timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
+    pieces of 1024, 4 warps, 3 pipeline stages.
     """
     if rows < 1 or rows > MAX_ROWS or n > (2048 if rows == 1 else 1024):
         return None
@@ -152,8 +154,8 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
     """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
     `linear` call without a bias for which `settings` may pick the kernel (its input has at most MAX_ROWS
     rows, or a symbolic count; its weight at most 2048 rows) becomes a `skinny_linear` call, which picks
-    the kernel or F.linear per call, from the real row count. Returns how many calls it routed. `on_cuda_only=False`: route CPU graphs too
-    (tests: there the operator runs F.linear)."""
+    the kernel or F.linear per call, from the real row count. Returns how many calls it routed.
+    `on_cuda_only=False`: route CPU graphs too (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 
     real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))

@@ -6,10 +6,10 @@ For each matrix product of a decode step of `--model` as the compiled step runs 
 merged: siblings.py), at each row count: cuBLAS (`torch.mm`) against the Triton kernel of
 minibatch/speed/skinny.py at every setting of a grid (columns per program, K per piece, warps,
 pipeline stages, K splits; plain multiply-adds or tensor cores), each over as many distinct weight
-copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant; the floor is the weights' bytes at the
-copy bandwidth measured here. Checks each result against cuBLAS's within bf16 rounding. Prints each
-shape's best setting and the model's products summed (cuBLAS, the kernel's best, the floor), and
-writes OUTDIR/skinny_gemv.json with every timing.
+copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant;
+the floor is the weights' bytes at the copy bandwidth measured here. Checks each result against
+cuBLAS's within bf16 rounding. Prints each shape's best setting and the model's products summed
+(cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv.json with every timing.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def main() -> None:
             t_cublas = graph_replay_ms(cublas, 20)
             timings, t0 = [], time.perf_counter()
             for c in grid:
-                if not c.get("dot") and max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] > 256 * 32 * c["warps"]:
+                per_thread = max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] / (32 * c["warps"])
+                if not c.get("dot") and per_thread > 256:
                     continue  # (more than 256 products per thread per piece: registers spill)
 
                 def run(c=c):
@@ -102,7 +103,8 @@ def main() -> None:
             nbytes = copies * N * K * 2
             per[M] = {"cublas_ms": t_cublas, "triton_ms": best_ms, "config": best, "floor_ms": nbytes / bw * 1e3,
                       "all": timings}
-            print(f"{name:8s} N={N:6d} K={K:5d} M={M:3d}  cublas {t_cublas:7.3f} ms ({nbytes / t_cublas / 1e6:5.0f} GB/s)"
+            print(f"{name:8s} N={N:6d} K={K:5d} M={M:3d}  "
+                  f"cublas {t_cublas:7.3f} ms ({nbytes / t_cublas / 1e6:5.0f} GB/s)"
                   f"  triton {best_ms:7.3f} ms ({nbytes / best_ms / 1e6:5.0f} GB/s) {best}"
                   f"  [{len(timings)} settings, {time.perf_counter() - t0:.0f} s]", flush=True)
         del ws
