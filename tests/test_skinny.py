@@ -73,6 +73,27 @@ def test_route_sends_narrow_products_of_few_rows_to_the_operator(rows, routed):
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_route_hands_symbolic_row_counts_to_the_operator():
+    """A compile with a symbolic row count (what a server's dynamic-rows step makes): the pass cannot
+    know the rows, so it routes the narrow product and the operator decides per call; one compile
+    serves 2 and 9 rows with unchanged results."""
+    torch.manual_seed(1)
+    module = _Three().eval()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(skinny.route(gm, example_inputs, on_cuda_only=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for rows in (2, 9):
+            x = torch.randn(1, rows, 64)
+            assert torch.allclose(compiled(x), module(x), atol=1e-5)
+    assert seen == [1]
+
+
 def test_route_leaves_cpu_graphs_alone_by_default():
     torch.manual_seed(1)
     module = _Three().eval()
