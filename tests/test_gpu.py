@@ -91,15 +91,21 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
-def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens():
+def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
-    model) to speed/skinny.py's kernel, and gives the eager tokens (float32); sync and async agree; with
-    skinny=False nothing is routed and the tokens are the same too."""
+    model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens
+    (float32); sync and async agree; with skinny=False the kernel never runs and the tokens are the same."""
+    from minibatch.speed import skinny
+
+    launches = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda *a: launches.append(a[3]) or real_launch(*a))
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     g = torch.Generator().manual_seed(6)
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9)]
     kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
     eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    assert not launches
     with minibatch.Engine(model) as engine:
         before = len(CompiledStep(model).routed)  # (one record for every compile of these options, per process)
         assert engine.generate(work, mode="sync", compile=True, **kw) == eager
@@ -108,11 +114,30 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
         # per compile: o and down (merged q/k/v and gate/up go to cuBLAS), and the LM head (512 columns)
         routed = engine._compiled.routed[before:]
         assert routed and set(routed) == {2 * model.num_layers + 1}
+    # the kernel ran (in the warm-up and capture calls; a graph's replays launch it without Python)
+    assert launches and all(s == skinny.settings(1, 64, 64) for s in launches)
+    launches.clear()
     plain = CompiledStep(model, skinny=False)
     with minibatch.Engine(model) as engine:
         engine._compiled = plain
         assert engine.generate(work, mode="async", compile=True, **kw) == eager
-    assert plain.routed == [] and plain.shapes
+    assert plain.shapes and not launches
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 1024, 2048), (2, 1024, 3072), (4, 1024, 3072), (1, 2048, 8192)])
+def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k):
+    """skinny_linear where it runs the kernel (the 0.6B and 1B shapes' narrow products), bf16 as real
+    models run: within bf16 rounding of F.linear, for a 3-D input whose rows are a slice of a wider tensor."""
+    from minibatch.speed import skinny
+
+    assert skinny.settings(rows, n, k) is not None
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(1, rows, k + 64, device="cuda", dtype=torch.bfloat16, generator=g)[..., :k]  # rows strided
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    got = torch.ops.minibatch.skinny_linear(x, w)
+    want = torch.nn.functional.linear(x, w)
+    assert got.shape == want.shape == (1, rows, n)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_one_compile_serves_every_context_length_with_the_triton_attention():

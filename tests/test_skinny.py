@@ -142,13 +142,15 @@ def test_the_backend_runs_the_pass_and_inductor_compiles_the_operator():
     dict(block_n=4, block_k=32, warps=4, stages=3, split=4),
     dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
     dict(block_n=16, block_k=16, warps=4, stages=2, split=3, dot=True),
-], ids=["plain", "split2", "split4", "dot", "dot-split3"])
+    skinny.settings(1, 1024, 1024),
+], ids=["plain", "split2", "split4", "dot", "dot-split3", "shipped"])
 def test_the_kernel_computes_the_product(rows, setting):
     """launch against x @ w.T (float32) with K not a multiple of the piece, N not of the columns per
-    program; with K splits the same bits on every call (the partial sums are added in a fixed order)."""
+    program, rows of x and w strided wider than K; with K splits the same bits on every call (the
+    partial sums are added in a fixed order)."""
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 200, generator=g).to(DEVICE)
-    w = torch.randn(52, 200, generator=g).to(DEVICE)
+    x = torch.randn(rows, 260, generator=g).to(DEVICE)[:, :200]
+    w = torch.randn(52, 230, generator=g).to(DEVICE)[:, :200]
     y, again = (torch.empty(rows, 52, device=DEVICE) for _ in range(2))
     skinny.launch(x, w, y, setting)
     skinny.launch(x, w, again, setting)

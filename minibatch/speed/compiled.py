@@ -44,7 +44,7 @@ class CompiledStep:
     the eager step's (other kernels round differently): compare compiled runs with compiled runs.
     With `merge` (the default) q/k/v and gate/up run as one matrix product each (siblings.py); its
     bf16 tokens may differ from an unmerged compiled step's for the same reason. With `skinny` (the
-    default on CUDA with Triton) the products of 1-4 rows by a narrow weight (a small model's attention
+    default on CUDA with Triton, when merged) the products of 1-4 rows by a narrow weight (a small model's attention
     output and MLP down projections) run on skinny.py's kernel instead of cuBLAS's, which leaves most of
     the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds.
 
@@ -73,11 +73,12 @@ class CompiledStep:
         self.merge = merge
         self.attention = model.decode_attention
         self.dynamic_rows = dynamic_rows
-        # products of a few rows by a narrow weight through skinny.py's kernel (default: on CUDA with Triton)
+        # products of a few rows by a narrow weight through skinny.py's kernel (default: on CUDA with Triton,
+        # in merged steps: its rule was measured on their products; unmerged, an 8B's k and v would qualify)
         if skinny is None:
             from . import skinny as kernel
 
-            skinny = model.device.type == "cuda" and kernel.available()
+            skinny = merge and model.device.type == "cuda" and kernel.available()
         self.skinny = skinny
         self.shapes: set[tuple] = set()
         self._fn = None
@@ -92,7 +93,8 @@ class CompiledStep:
 
     @property
     def routed(self) -> list[int]:
-        """Per compile (of any CompiledStep with these options): linear calls routed to skinny.py's kernel."""
+        """Per compile (of any CompiledStep with these options): linear calls handed to skinny.py's operator,
+        which runs the kernel or F.linear per call (`skinny.settings`)."""
         from .siblings import backend
 
         return backend(self.mode, self.merge, self.skinny).routed

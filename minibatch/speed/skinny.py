@@ -11,7 +11,7 @@ with), so 1024 columns make 256 programs, and streams those columns' weights in 
         acc[m, n] = 0                                         (float32, m < rows)
         for each piece of block_k inputs:
             w = W[columns, piece]                            [block_n, block_k]
-            x = X[rows, piece]                               [block_m, block_k]  (cached: it is small)
+            x = X[rows, piece]                               [block_m, block_k]  (small: from L2 mostly)
             acc += sum over the piece of x[:, None, :] * w[None, :, :]
         Y[rows, columns] = acc                               (or the split's partial sum)
 
@@ -117,8 +117,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     columns, where cuBLAS's tiles leave most SMs idle) this setting is 1.5-3.4x faster than cuBLAS with
     one row and 1.1-1.7x with 4; on its wide products (4096 columns and more) it only ties with one row
     and loses with 4; the 1B model's step (o and down with 2048 columns) was faster with the kernel at
-    one row and slower at 4 rows; with 8 rows cuBLAS is within a few percent of the kernel's best
-    setting everywhere. So: one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
+    one row and slower at 4 rows; with 8 rows cuBLAS is within 9% of the kernel's best setting
+    everywhere. So: one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
     timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
     pieces of 1024, 4 warps, 3 pipeline stages.
     """
@@ -131,10 +131,13 @@ def settings(rows: int, n: int, k: int) -> dict | None:
 # choice of kernel is made where the real row count is known (a server's compile has symbolic rows).
 @torch.library.custom_op("minibatch::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T, by the kernel where `settings` picks it (CUDA), else F.linear."""
+    """x [..., K] @ weight[N, K].T, by the kernel where `settings` picks it (CUDA, x and weight of one
+    floating dtype), else F.linear."""
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // max(k, 1)
-    chosen = settings(rows, n, k) if x.is_cuda and available() and weight.stride(-1) == 1 else None
+    usable = (x.is_cuda and available() and weight.stride(-1) == 1 and x.dtype == weight.dtype
+              and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    chosen = settings(rows, n, k) if usable else None
     if chosen is None:
         return torch.nn.functional.linear(x, weight)
     flat = x.reshape(rows, k)
@@ -172,6 +175,8 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
             continue  # (a merged sibling product's weight is an as_strided view: wide, left to cuBLAS)
         if (on_cuda_only and not weight.is_cuda) or weight.shape[0] > 2048:
             continue
+        if torch.is_grad_enabled() and weight.requires_grad:
+            continue  # (the operator has no backward: inference only, as siblings.merge)
         rows = 1
         for size in value.shape[:-1]:
             rows = rows * size

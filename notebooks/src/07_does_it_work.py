@@ -399,9 +399,9 @@ for n in products:
         print(f"{n:8} {shape['N']:>6}x{shape['K']:<5} {rows:4d} {r['cublas_ms']:9.3f} {r['triton_ms']:9.3f}")
 
 # %% [markdown]
-# Where cuBLAS is starved the kernel wins big: `o` streams 3.8x <!-- from figures/data/headline.json: small_models.q06_o_m1_speedup --> faster with one row, `down` 1.5x <!-- from figures/data/headline.json: small_models.q06_down_m1_speedup -->
+# Where cuBLAS is starved the kernel wins big: at its best setting `o` streams 3.8x <!-- from figures/data/headline.json: small_models.q06_o_m1_speedup --> faster with one row, `down` 1.5x <!-- from figures/data/headline.json: small_models.q06_down_m1_speedup -->
 # (1.9x <!-- from figures/data/headline.json: small_models.q06_o_m4_speedup --> and 1.1x <!-- from figures/data/headline.json: small_models.q06_down_m4_speedup --> with 4 rows). On the wide products (q/k/v and gate/up merged, the LM head) it only ties,
-# and with 8 rows cuBLAS is as fast as its best setting. `skinny.settings` writes that down as a rule
+# and with 8 rows cuBLAS comes within 9% of the kernel's best setting. `skinny.settings` writes that down as a rule
 # (one row: up to 2048 output columns; 2-4 rows: up to 1024; otherwise cuBLAS), and the compiled step's
 # graph gets one more pass after the sibling merge, `skinny.route`, which hands those `linear` calls to a
 # custom operator, `minibatch::skinny_linear`, that picks the kernel or cuBLAS from the real row count.

@@ -9,7 +9,7 @@ pipeline stages, K splits; plain multiply-adds or tensor cores), each over as ma
 copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant;
 the floor is the weights' bytes at the copy bandwidth measured here. Checks each result against
 cuBLAS's within bf16 rounding. Prints each shape's best setting and the model's products summed
-(cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv.json with every timing.
+(cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv_MODEL.json with every timing.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main() -> None:
         print(f"M={M:3d}  floor {f:.3f}  cublas {tot['cublas_ms']:.3f} ({tot['cublas_ms'] / f:.2f}x)  triton "
               f"{tot['triton_ms']:.3f} ({tot['triton_ms'] / f:.2f}x)  best of both per shape {tot['best_ms']:.3f} "
               f"({tot['best_ms'] / f:.2f}x)", flush=True)
-    (out / "skinny_gemv.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / f"skinny_gemv_{args.model}.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

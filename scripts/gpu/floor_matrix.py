@@ -21,9 +21,9 @@ at large batch x context most steps are prefill. Here every point is one decode 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
 shapes; coarser key buckets), with the seconds its first call took (compilation) beside it, and with
---unmerged also "unmerged", the same without one product for sibling projections (siblings.py), and
-with --skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
-products of 1-4 rows by a narrow weight on speed/skinny.py's kernel).
+--skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
+products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with --unmerged also
+"unmerged", the same as "cublas" without one product for sibling projections (siblings.py).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -162,7 +162,8 @@ def main() -> None:
     if args.compile:
         paths["compile"] = CompiledStep(model, args.compile_mode)
         if args.unmerged:
-            paths["unmerged"] = CompiledStep(model, args.compile_mode, merge=False)
+            # (every product on cuBLAS: against "cublas", the merge alone)
+            paths["unmerged"] = CompiledStep(model, args.compile_mode, merge=False, skinny=False)
         if args.skinny_ab:
             paths["cublas"] = CompiledStep(model, args.compile_mode, skinny=False)
     points = []
@@ -179,7 +180,7 @@ def main() -> None:
                     r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
                                      args.kernels if args.kernels in ("top", "all") else None)
                     row[name] = {**r, "over_floor": r["ms"] / floor}
-                    if compiled is not None:  # linear calls on skinny.py's kernel in this point's compile
+                    if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
