@@ -155,10 +155,10 @@ def _(x, weight):
 
 def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -> int:
     """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
-    `linear` call without a bias for which `settings` may pick the kernel (its input has at most MAX_ROWS
-    rows, or a symbolic count; its weight at most 2048 rows) becomes a `skinny_linear` call, which picks
-    the kernel or F.linear per call, from the real row count. Returns how many calls it routed.
-    `on_cuda_only=False`: route CPU graphs too (tests: there the operator runs F.linear)."""
+    `linear` call without a bias for which `settings` picks the kernel at the input's row count (or, for
+    a symbolic count, at one row) becomes a `skinny_linear` call, which picks the kernel or F.linear per
+    call, from the real row count. Returns how many calls it routed. `on_cuda_only=False`: route CPU
+    graphs too (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 
     real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
@@ -173,14 +173,12 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
         value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         if not isinstance(weight, torch.Tensor) or not isinstance(value, torch.Tensor) or weight.dim() != 2:
             continue  # (a merged sibling product's weight is an as_strided view: wide, left to cuBLAS)
-        if (on_cuda_only and not weight.is_cuda) or weight.shape[0] > 2048:
-            continue
-        if torch.is_grad_enabled() and weight.requires_grad:
-            continue  # (the operator has no backward: inference only, as siblings.merge)
+        if (on_cuda_only and not weight.is_cuda) or (torch.is_grad_enabled() and weight.requires_grad):
+            continue  # (gradients: the operator has no backward, inference only as siblings.merge)
         rows = 1
         for size in value.shape[:-1]:
             rows = rows * size
-        if isinstance(rows, int) and rows > MAX_ROWS:
+        if settings(rows if isinstance(rows, int) else 1, *weight.shape) is None:
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.minibatch.skinny_linear.default, (x, w))
