@@ -124,6 +124,35 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
     assert plain.shapes and not launches
 
 
+def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
+    """Programmatic dependent launch (Inductor's triton.enable_pdl, skinny.PDL): each kernel may start
+    before the one it reads from has finished, and must wait for it before reading. A missing wait
+    would read half-written activations; the tokens must be the eager ones (float32), sync and async."""
+    from minibatch.speed import skinny
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    launches = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda *a: launches.append(a[3]) or real_launch(*a))
+    monkeypatch.setattr(skinny, "PDL", True)
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    kw = dict(max_new_tokens=24, max_batch_size=4, max_batch_tokens=256)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    early = CompiledStep(model, inductor={"triton.enable_pdl": True})
+    with minibatch.Engine(model) as engine:
+        engine._compiled = early
+        assert engine.generate(work, mode="sync", compile=True, **kw) == eager
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+    assert early.shapes and launches
+
+
 @pytest.mark.parametrize("rows, n, k", [(1, 1024, 2048), (2, 1024, 3072), (4, 1024, 3072), (1, 2048, 8192)])
 def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k):
     """skinny_linear where it runs the kernel (the 0.6B and 1B shapes' narrow products), bf16 as real

@@ -58,8 +58,9 @@ LINEAR = torch._C._nn.linear
 LINEAR_TARGETS: tuple = tuple({id(f): f for f in (LINEAR, torch.nn.functional.linear)}.values())
 
 
-def inductor_compile(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None):
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, patches: tuple = ()):
     """Compile an FX graph with Inductor as `torch.compile(mode=mode)` would, and return the callable.
+    `patches`: (name, value) pairs of Inductor config on top of the mode's (e.g. ("triton.enable_pdl", True)).
 
     Why: a custom torch.compile backend (speed/siblings.py rewrites the graph first) must then hand it
     to Inductor with the options that `mode` stands for. torch exports no function for either step:
@@ -70,8 +71,8 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs, mode: str | None 
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    options = list_mode_options(mode, dynamic=False) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=options)
+    options = {**(list_mode_options(mode, dynamic=False) if mode else {}), **dict(patches)}
+    return compile_fx(gm, example_inputs, config_patches=options or None)
 
 
 def raise_recompile_limit(at_least: int = 64) -> None:

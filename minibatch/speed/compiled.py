@@ -66,7 +66,7 @@ class CompiledStep:
     """
 
     def __init__(self, model, mode: str | None = None, merge: bool = True, dynamic_rows: bool = False,
-                 skinny: bool | None = None) -> None:
+                 skinny: bool | None = None, inductor: dict | None = None) -> None:
         self.model = model
         self.mode = mode  # torch.compile's mode; without CUDA graphs of its own: the runner captures them
         # one matrix product for sibling projections (q/k/v, gate/up) whose weights Model stacked: siblings.py
@@ -80,6 +80,7 @@ class CompiledStep:
 
             skinny = merge and model.device.type == "cuda" and kernel.available()
         self.skinny = skinny
+        self.inductor = dict(inductor or {})  # Inductor config on top of the mode's (e.g. {"triton.enable_pdl": True})
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
@@ -87,17 +88,18 @@ class CompiledStep:
     @property
     def merged(self) -> list[int]:
         """Per compile (of any CompiledStep of this mode): linear calls merged into a sibling's."""
-        from .siblings import backend
-
-        return backend(self.mode, self.merge, self.skinny).merged if self.merge else []
+        return self._backend().merged if self.merge else []
 
     @property
     def routed(self) -> list[int]:
         """Per compile (of any CompiledStep with these options): linear calls handed to skinny.py's operator,
         which runs the kernel or F.linear per call (`skinny.settings`)."""
+        return self._backend().routed
+
+    def _backend(self):
         from .siblings import backend
 
-        return backend(self.mode, self.merge, self.skinny).routed
+        return backend(self.mode, self.merge, self.skinny, self.inductor)
 
     @property
     def dynamic_keys(self) -> bool:
@@ -105,10 +107,8 @@ class CompiledStep:
         return self.attention == "triton" or self.dynamic_rows
 
     def _compile(self, fn):
-        if self.merge or self.skinny:  # (a graph without sibling projections or products, such as the
-            from .siblings import backend  # sampler's, passes unchanged)
-
-            return torch.compile(fn, dynamic=False, backend=backend(self.mode, self.merge, self.skinny))
+        if self.merge or self.skinny or self.inductor:  # (a graph without sibling projections or products,
+            return torch.compile(fn, dynamic=False, backend=self._backend())  # such as the sampler's, passes unchanged)
         return torch.compile(fn, dynamic=False, mode=self.mode)
 
     def __call__(self, batch, cache) -> torch.Tensor:

@@ -176,11 +176,12 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`), then Inductor with the options of
-    torch.compile's `mode`. `merged` and `routed`: per compile, how many linear calls went into a
-    sibling's, and how many to the skinny kernel."""
+    torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged` and `routed`: per
+    compile, how many linear calls went into a sibling's, and how many to the skinny kernel."""
 
-    def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False) -> None:
-        self.mode, self.merging, self.skinny, self.merged, self.routed = mode, merging, skinny, [], []
+    def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
+        self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
+        self.merged, self.routed = [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         if self.merging:
@@ -189,17 +190,19 @@ class _Backend:
             from .skinny import route
 
             self.routed.append(route(gm, example_inputs))
-        return inductor_compile(gm, example_inputs, self.mode)
+        return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 
-def backend(mode: str | None = None, merging: bool = True, skinny: bool = False) -> _Backend:
+def backend(mode: str | None = None, merging: bool = True, skinny: bool = False,
+            inductor: dict | None = None) -> _Backend:
     """The torch.compile backend for `mode` (and the passes): one object per set of options, because
     torch.compile reuses what it compiled for a function only when the backend is the same object (a
     new one per engine would compile every shape again, and past its recompile limit run the step
     uncompiled)."""
-    return _backend(mode, bool(merging), bool(skinny))  # (one cache key however the options are passed)
+    patches = tuple(sorted((inductor or {}).items()))  # (one cache key however the options are passed)
+    return _backend(mode, bool(merging), bool(skinny), patches)
 
 
 @functools.lru_cache(maxsize=None)
-def _backend(mode: str | None, merging: bool, skinny: bool) -> _Backend:
-    return _Backend(mode, merging, skinny)
+def _backend(mode: str | None, merging: bool, skinny: bool, patches: tuple) -> _Backend:
+    return _Backend(mode, merging, skinny, patches)

@@ -50,9 +50,20 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _piece(acc, x_rows, w_rows, kk, rm, rn, M, N, K, DOT: tl.constexpr):
+        inside = kk[None, :] < K
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
+        if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr):
+                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -62,15 +73,21 @@ if triton is not None:
         x_rows = x_ptr + rm[:, None] * sxm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
-        for i in tl.range(0, pieces, num_stages=STAGES):
-            kk = start + i * BLOCK_K + rk
+        first = 0
+        if PDL:  # launched while the kernel before still runs: the first piece's weights (which no kernel
+            kk = start + rk  # writes) are read before waiting for it, x (its output) after
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
+            if DOT:
                 acc += tl.dot(x, tl.trans(w))
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            first = 1
+        for i in tl.range(first, pieces, num_stages=STAGES):
+            acc = _piece(acc, x_rows, w_rows, start + i * BLOCK_K + rk, rm, rn, M, N, K, DOT)
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
@@ -87,13 +104,30 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
+#: Programmatic dependent launch (Hopper and later): the kernel may start while the kernel before it in
+#: the stream still runs, reads its first piece of weights (which no kernel writes), and only then waits
+#: for that kernel's results (`gdc_wait`). The weights' first bytes then stream during the previous
+#: kernel's last microseconds instead of after them.
+PDL = False
+
+
+def _has_pdl(device: torch.device) -> bool:
+    import os
+
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
-    tile; block_n and block_k at least 16; default False)."""
+    tile; block_n and block_k at least 16; default False), pdl (default `PDL`: launched early, see
+    `PDL`; only where the GPU has it)."""
     block_n, block_k = setting["block_n"], setting["block_k"]
+    pdl = setting.get("pdl", PDL) and _has_pdl(x.device)
     split, dot = setting.get("split", 1), setting.get("dot", False)
     M, K = x.shape
     N = w.shape[0]
@@ -103,7 +137,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> 
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, num_warps=setting["warps"])
+        STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, num_warps=setting["warps"],
+        **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, block),)](target, y, M, N, y.stride(0), S=split, BLOCK=block)

@@ -2,7 +2,7 @@
 
     python3 scripts/gpu/floor_matrix.py OUTDIR [--model llama3-8b-shape] [--batches 1,8,32,128]
                                                [--contexts 512,2048] [--compile [--unmerged] [--skinny-ab]]
-                                               [--kernels [top|all]]
+                                               [--variants LABEL:NAME=VALUE ...] [--kernels [top|all]]
 
 Why not read the step off a generate run: there the batch changes as requests arrive and finish, and
 at large batch x context most steps are prefill. Here every point is one decode step at exactly
@@ -23,7 +23,9 @@ installed); with --compile also "compile", the step through step.CompiledStep (t
 shapes; coarser key buckets), with the seconds its first call took (compilation) beside it, and with
 --skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
 products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with --unmerged also
-"unmerged", the same as "cublas" without one product for sibling projections (siblings.py).
+"unmerged", the same as "cublas" without one product for sibling projections (siblings.py), and with
+--variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
+`inductor`) and, with skinny.pdl=1, skinny.py's kernel launched early (programmatic dependent launch).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -51,11 +53,21 @@ from minibatch.core.requests import Request, SamplingParams  # noqa: E402
 from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
+from minibatch.speed import skinny  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
 KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk", "_skinny_kernel", "_sum_splits"),
          "attention": ("_decode_kernel", "_combine_kernel", "flash", "attention", "fmha")}
+
+
+def parse_setting(text: str) -> tuple:
+    """"name=value" -> (name, value), the value a bool (1/0/true/false), an int or else the string."""
+    name, _, value = text.partition("=")
+    low = value.lower()
+    if low in ("1", "true", "0", "false"):
+        return name, low in ("1", "true")
+    return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 def kernel_breakdown(replay, reps: int = 5) -> dict:
@@ -140,6 +152,10 @@ def main() -> None:
                     help="with --compile, also time the compiled step with every product on cuBLAS (\"cublas\"), "
                          "beside the default one, whose products of 1-4 rows by a narrow weight run on "
                          "speed/skinny.py's kernel")
+    ap.add_argument("--variants", nargs="+", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE...]",
+                    help="with --compile, also time the compiled step with Inductor config changes, one path per "
+                         "LABEL (e.g. pdl:triton.enable_pdl=1 combo:combo_kernels=1); the name skinny.pdl=1 "
+                         "launches speed/skinny.py's kernel early (skinny.PDL)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -159,6 +175,7 @@ def main() -> None:
     print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
     paths = {"default": None}
+    early = {}  # per path: skinny.PDL while it compiles and captures
     if args.compile:
         paths["compile"] = CompiledStep(model, args.compile_mode)
         if args.unmerged:
@@ -166,6 +183,11 @@ def main() -> None:
             paths["unmerged"] = CompiledStep(model, args.compile_mode, merge=False, skinny=False)
         if args.skinny_ab:
             paths["cublas"] = CompiledStep(model, args.compile_mode, skinny=False)
+        for spec in args.variants:
+            label, _, changes = spec.partition(":")
+            inductor = dict(parse_setting(c) for c in changes.split(",") if c)
+            early[label] = bool(inductor.pop("skinny.pdl", False))
+            paths[label] = CompiledStep(model, args.compile_mode, inductor=inductor)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
           flush=True)
@@ -177,8 +199,12 @@ def main() -> None:
                 kv_floor = floor - floors.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
                 row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
-                    r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
-                                     args.kernels if args.kernels in ("top", "all") else None)
+                    skinny.PDL = early.get(name, False)
+                    try:
+                        r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
+                                         args.kernels if args.kernels in ("top", "all") else None)
+                    finally:
+                        skinny.PDL = False
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
