@@ -125,9 +125,11 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
 
 
 def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
-    """Programmatic dependent launch (Inductor's triton.enable_pdl, skinny.PDL): each kernel may start
-    before the one it reads from has finished, and must wait for it before reading. A missing wait
-    would read half-written activations; the tokens must be the eager ones (float32), sync and async."""
+    """Programmatic dependent launch (Inductor's triton.enable_pdl, skinny.PDL, triton_decode.PDL): each
+    kernel may start before the one it reads from has finished, and must wait for it before reading. A
+    missing wait would read half-written activations or keys; the tokens must be the eager ones
+    (float32), sync and async."""
+    from minibatch.model import triton_decode
     from minibatch.speed import skinny
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -140,7 +142,9 @@ def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
     real_launch = skinny.launch
     monkeypatch.setattr(skinny, "launch", lambda *a: launches.append(a[3]) or real_launch(*a))
     monkeypatch.setattr(skinny, "PDL", True)
+    monkeypatch.setattr(triton_decode, "PDL", True)
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    assert model.decode_attention == "triton"
     g = torch.Generator().manual_seed(7)
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     kw = dict(max_new_tokens=24, max_batch_size=4, max_batch_tokens=256)
@@ -153,11 +157,15 @@ def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
     assert early.shapes and launches
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("rows, n, k", [(1, 1024, 2048), (2, 1024, 3072), (4, 1024, 3072), (1, 2048, 8192)])
-def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k):
+def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k, early, monkeypatch):
     """skinny_linear where it runs the kernel (the 0.6B and 1B shapes' narrow products), bf16 as real
-    models run: within bf16 rounding of F.linear, for a 3-D input whose rows are a slice of a wider tensor."""
+    models run: within bf16 rounding of F.linear, for a 3-D input whose rows are a slice of a wider tensor;
+    launched early (skinny.PDL) or not."""
     from minibatch.speed import skinny
+
+    monkeypatch.setattr(skinny, "PDL", early)
 
     assert skinny.settings(rows, n, k) is not None
     g = torch.Generator(device="cuda").manual_seed(rows)

@@ -24,7 +24,7 @@ def test_the_kernel_is_chosen_for_few_rows_and_narrow_outputs_only():
     assert skinny.settings(1, 1024, 2048) == dict(block_n=4, block_k=1024, warps=4, stages=3)
     assert skinny.settings(1, 2048, 8192) is not None and skinny.settings(4, 1024, 3072) is not None
     assert skinny.settings(4, 2048, 8192) is None  # a 1B model's down product at 4 rows: cuBLAS is faster
-    assert skinny.settings(skinny.MAX_ROWS + 1, 1024, 2048) is None  # 8 rows: cuBLAS is as fast
+    assert skinny.settings(max(skinny.WIDEST) + 1, 1024, 2048) is None  # 5 rows and more: cuBLAS
     assert skinny.settings(1, 4096, 1024) is None  # a wide output: cuBLAS is as fast
     assert skinny.settings(0, 1024, 1024) is None
 
@@ -50,7 +50,7 @@ class _Three(torch.nn.Module):
         return self.biased(self.wide(self.narrow(x)))
 
 
-@pytest.mark.parametrize("rows, routed", [(2, 1), (skinny.MAX_ROWS + 4, 0)])
+@pytest.mark.parametrize("rows, routed", [(2, 1), (max(skinny.WIDEST) + 4, 0)])
 def test_route_sends_narrow_products_of_few_rows_to_the_operator(rows, routed):
     """The graph pass, on the graph torch.compile captures: the narrow product without a bias goes to
     skinny_linear when the rows are few, nothing else does, and the result is unchanged."""

@@ -42,22 +42,44 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
+from ..speed.skinny import has_pdl, prefetch_l2
 
 BLOCK_N = 64  # keys per loop iteration
+#: Programmatic dependent launch (Hopper and later): the kernels may start while the kernel before them
+#: still runs, and wait for it (`gdc_wait`) before reading what it writes (see `_decode_kernel`)
+PDL = False
 
 
 def available() -> bool:
     return triton is not None
 
 
+
+
 if triton is not None:
+
+    @triton.jit
+    def _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr):
+        """A decode kernel launched while the kernel before it still runs (which writes this step's keys,
+        values and query): the key table is the step's input, so the cache lines of row r's keys and
+        values lo..hi (head h) are asked into L2 now; every value is read after that kernel is done."""
+        lines = tl.arange(0, D // LINE) * LINE
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            slot = tl.load(kvi_ptr + r * L + offs_n, mask=offs_n < hi, other=0)
+            prefetch_l2(k_ptr + slot[:, None] * sk_s + h * sk_h + lines[None, :])
+            prefetch_l2(v_ptr + slot[:, None] * sv_s + h * sv_h + lines[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
                        m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                       WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                       LINE: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
@@ -65,6 +87,8 @@ if triton is not None:
         hi = tl.minimum(lo + keys_per_split, L)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
+        if PDL:  # launched early (programmatic dependent launch)
+            _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + offs_d[None, :], mask=gmask, other=0.0)
@@ -112,8 +136,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, H, S: tl.constexpr, BLOCK_S: tl.constexpr,
-                        D: tl.constexpr):
+                        D: tl.constexpr, PDL: tl.constexpr):
         """One program per (row, query head): rescale the splits' partials to a common max and add."""
+        if PDL:  # (launched early: everything it reads is the decode kernel's output)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -174,6 +201,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
     o = out[0]
+    pdl = PDL and has_pdl(query.device)
+    early = {"launch_pdl": True} if pdl else {}
     width = kv_indices.shape[0] // rows
     if splits == 0:
         splits = num_splits(rows, kv_heads, width, query.device)
@@ -186,11 +215,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), width, keys_per_split, scaling,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=BLOCK_N,
-        WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1,
+        WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
+        LINE=min(dim, 128 // k_cache.element_size()), **early,
     )
     if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,
-                                       BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim)
+                                       BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim, PDL=pdl, **early)
     return out
 
 

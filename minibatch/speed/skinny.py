@@ -38,9 +38,11 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
+    prefetch_l2 = None
 
-#: the most rows for which a compiled step's products go to the kernel (`settings`); above it cuBLAS's
-MAX_ROWS = 4
+#: the widest product (output columns) that goes to the kernel, by the most rows it has (`settings`):
+#: one row up to 2048 columns, 2-4 rows up to 1024; more rows or wider products stay on cuBLAS
+WIDEST = {1: 2048, 4: 1024}
 
 
 def available() -> bool:
@@ -50,20 +52,16 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _piece(acc, x_rows, w_rows, kk, rm, rn, M, N, K, DOT: tl.constexpr):
-        inside = kk[None, :] < K
-        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
-        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-        if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
-            acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        return acc
+    def prefetch_l2(ptrs):
+        """Ask for these addresses' 128-byte lines to be brought into L2 (a hint: nothing is returned)."""
+        return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                         dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+                       LINE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -73,21 +71,23 @@ if triton is not None:
         x_rows = x_ptr + rm[:, None] * sxm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
-        first = 0
-        if PDL:  # launched while the kernel before still runs: the first piece's weights (which no kernel
-            kk = start + rk  # writes) are read before waiting for it, x (its output) after
-            inside = kk[None, :] < K
-            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
+        if PDL:  # launched while the kernel before it still runs: this program's weights (which no kernel
+            # writes) start streaming into L2 now; x, that kernel's output, is read only after it is done
+            lines = tl.arange(0, BLOCK_K // LINE) * LINE  # (one address per 128-byte line, kept inside W)
+            w_lines = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * swn
+            for i in range(0, pieces):
+                prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        for i in tl.range(0, pieces, num_stages=STAGES):
+            kk = start + i * BLOCK_K + rk
+            inside = kk[None, :] < K
+            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if DOT:
+            if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            first = 1
-        for i in tl.range(first, pieces, num_stages=STAGES):
-            acc = _piece(acc, x_rows, w_rows, start + i * BLOCK_K + rk, rm, rn, M, N, K, DOT)
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
@@ -105,13 +105,15 @@ if triton is not None:
 
 
 #: Programmatic dependent launch (Hopper and later): the kernel may start while the kernel before it in
-#: the stream still runs, reads its first piece of weights (which no kernel writes), and only then waits
-#: for that kernel's results (`gdc_wait`). The weights' first bytes then stream during the previous
+#: the stream still runs; it asks for its weights (which no kernel writes) to be brought into L2, and
+#: only then waits for that kernel's results (`gdc_wait`). The weights then stream during the previous
 #: kernel's last microseconds instead of after them.
 PDL = False
 
 
-def _has_pdl(device: torch.device) -> bool:
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched early (programmatic dependent launch: compute
+    capability 9.0 and up; not under Triton's CPU interpreter)."""
     import os
 
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
@@ -127,7 +129,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> 
     tile; block_n and block_k at least 16; default False), pdl (default `PDL`: launched early, see
     `PDL`; only where the GPU has it)."""
     block_n, block_k = setting["block_n"], setting["block_k"]
-    pdl = setting.get("pdl", PDL) and _has_pdl(x.device)
+    pdl = setting.get("pdl", PDL) and has_pdl(x.device)
     split, dot = setting.get("split", 1), setting.get("dot", False)
     M, K = x.shape
     N = w.shape[0]
@@ -137,7 +139,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> 
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, num_warps=setting["warps"],
+        STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
+        num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -157,9 +160,10 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
     pieces of 1024, 4 warps, 3 pipeline stages.
     """
-    if rows < 1 or rows > MAX_ROWS or n > (2048 if rows == 1 else 1024):
+    widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
+    if n > widest:
         return None
-    return dict(block_n=4, block_k=1024, warps=4, stages=3)
+    return dict(block_n=4, block_k=1024 if rows <= 4 else 256, warps=4, stages=3)
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

@@ -25,7 +25,8 @@ shapes; coarser key buckets), with the seconds its first call took (compilation)
 products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with --unmerged also
 "unmerged", the same as "cublas" without one product for sibling projections (siblings.py), and with
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
-`inductor`) and, with skinny.pdl=1, skinny.py's kernel launched early (programmatic dependent launch).
+`inductor`); with early=1 our own kernels (skinny.py's, the decode attention's) launched early
+(programmatic dependent launch), with widest=... another rule for skinny.py's kernel.
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -54,6 +55,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.speed import skinny  # noqa: E402
+from minibatch.model import triton_decode  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -154,8 +156,9 @@ def main() -> None:
                          "speed/skinny.py's kernel")
     ap.add_argument("--variants", nargs="+", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE...]",
                     help="with --compile, also time the compiled step with Inductor config changes, one path per "
-                         "LABEL (e.g. pdl:triton.enable_pdl=1 combo:combo_kernels=1); the name skinny.pdl=1 "
-                         "launches speed/skinny.py's kernel early (skinny.PDL)")
+                         "LABEL (e.g. pdl:triton.enable_pdl=1 combo:combo_kernels=1); early=1 also launches "
+                         "our own kernels early (skinny.PDL, triton_decode.PDL); widest=1:8192/8:4096 "
+                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -175,7 +178,7 @@ def main() -> None:
     print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
     paths = {"default": None}
-    early = {}  # per path: skinny.PDL while it compiles and captures
+    modules = {}  # per path: module settings while it compiles and captures ((module, name): value)
     if args.compile:
         paths["compile"] = CompiledStep(model, args.compile_mode)
         if args.unmerged:
@@ -186,7 +189,12 @@ def main() -> None:
         for spec in args.variants:
             label, _, changes = spec.partition(":")
             inductor = dict(parse_setting(c) for c in changes.split(",") if c)
-            early[label] = bool(inductor.pop("skinny.pdl", False))
+            modules[label] = {}
+            if inductor.pop("early", False):
+                modules[label].update({(skinny, "PDL"): True, (triton_decode, "PDL"): True})
+            if "widest" in inductor:  # rows:columns/rows:columns...
+                widest = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
+                modules[label][(skinny, "WIDEST")] = widest
             paths[label] = CompiledStep(model, args.compile_mode, inductor=inductor)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
@@ -199,12 +207,18 @@ def main() -> None:
                 kv_floor = floor - floors.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
                 row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
-                    skinny.PDL = early.get(name, False)
+                    changed = modules.get(name, {})
+                    saved = {key: getattr(*key) for key in changed}
+                    for (module, attr), value in changed.items():
+                        setattr(module, attr, value)
+                    if compiled is not None:
+                        torch._dynamo.reset()  # (each path compiles its own graph, even where the backend is shared)
                     try:
                         r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
                                          args.kernels if args.kernels in ("top", "all") else None)
                     finally:
-                        skinny.PDL = False
+                        for (module, attr), value in saved.items():
+                            setattr(module, attr, value)
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
