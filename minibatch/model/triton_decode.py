@@ -46,7 +46,9 @@ from ..speed.skinny import has_pdl, prefetch_l2
 
 BLOCK_N = 64  # keys per loop iteration
 #: Programmatic dependent launch (Hopper and later): the kernels may start while the kernel before them
-#: still runs, and wait for it (`gdc_wait`) before reading what it writes (see `_decode_kernel`)
+#: still runs, and wait for it (`gdc_wait`) before reading what it writes (see `_early_start`). They let
+#: the next kernel launch only after their main loop: launched sooner, its programs (which wait) would
+#: take the places on the SMs that the last of ours need.
 PDL = False
 
 
@@ -71,7 +73,6 @@ if triton is not None:
             prefetch_l2(k_ptr + slot[:, None] * sk_s + h * sk_h + lines[None, :])
             prefetch_l2(v_ptr + slot[:, None] * sv_s + h * sv_h + lines[None, :])
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
@@ -80,9 +81,7 @@ if triton is not None:
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                        LINE: tl.constexpr):
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        split = tl.program_id(2)
+        r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
         offs_g = tl.arange(0, BLOCK_G)
@@ -123,6 +122,8 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (see PDL for why not sooner)
         if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
             n_split = tl.num_programs(2)
             at = (r * tl.num_programs(1) * G + heads) * n_split + split
@@ -140,7 +141,6 @@ if triton is not None:
         """One program per (row, query head): rescale the splits' partials to a common max and add."""
         if PDL:  # (launched early: everything it reads is the decode kernel's output)
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)

@@ -78,7 +78,6 @@ if triton is not None:
             for i in range(0, pieces):
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         for i in tl.range(0, pieces, num_stages=STAGES):
             kk = start + i * BLOCK_K + rk
             inside = kk[None, :] < K
@@ -88,6 +87,8 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w))
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
+            tl.extra.cuda.gdc_launch_dependents()  # they would take the places this kernel's last programs need
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
