@@ -49,7 +49,7 @@ BLOCK_N = 64  # keys per loop iteration
 #: still runs, and wait for it (`gdc_wait`) before reading what it writes (see `_early_start`). They let
 #: the next kernel launch only after their main loop: launched sooner, its programs (which wait) would
 #: take the places on the SMs that the last of ours need.
-PDL = False
+PDL = True
 
 
 def available() -> bool:

@@ -80,7 +80,8 @@ class CompiledStep:
 
             skinny = merge and model.device.type == "cuda" and kernel.available()
         self.skinny = skinny
-        self.inductor = dict(inductor or {})  # Inductor config on top of the mode's (e.g. {"triton.enable_pdl": True})
+        # Inductor config on top of the mode's: by default its kernels launch early where the GPU allows (early_launch)
+        self.inductor = {**early_launch(model.device), **(inductor or {})}
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
@@ -157,6 +158,21 @@ class CompiledStep:
             if self._pick is None:
                 self._pick = self._compile(pick)
             return self._pick(logits, batch.temperature, batch.seed, batch.counter, batch.all_greedy)
+
+
+def early_launch(device: torch.device) -> dict:
+    """Inductor's config for programmatic dependent launch on `device` where it has it (Hopper and later):
+    each generated kernel may start while the one before it still runs and waits for it before reading
+    what it wrote, so a chain of short kernels (a small model's decode step) loses less time between
+    them. skinny.py's and triton_decode.py's kernels do the same (their PDL). Measured: BENCHMARKS.md,
+    small models."""
+    import torch._inductor.config as inductor_config
+
+    from .skinny import has_pdl
+
+    if not (has_pdl(device) and hasattr(inductor_config.triton, "enable_pdl")):
+        return {}
+    return {"triton.enable_pdl": True}
 
 
 def pick(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,

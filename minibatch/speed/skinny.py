@@ -109,7 +109,7 @@ if triton is not None:
 #: the stream still runs; it asks for its weights (which no kernel writes) to be brought into L2, and
 #: only then waits for that kernel's results (`gdc_wait`). The weights then stream during the previous
 #: kernel's last microseconds instead of after them.
-PDL = False
+PDL = True
 
 
 def has_pdl(device: torch.device) -> bool:

@@ -25,8 +25,9 @@ shapes; coarser key buckets), with the seconds its first call took (compilation)
 products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with --unmerged also
 "unmerged", the same as "cublas" without one product for sibling projections (siblings.py), and with
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
-`inductor`); with early=1 our own kernels (skinny.py's, the decode attention's) launched early
-(programmatic dependent launch), with widest=... another rule for skinny.py's kernel.
+`inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
+programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
+skinny.py's kernel.
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -156,8 +157,8 @@ def main() -> None:
                          "speed/skinny.py's kernel")
     ap.add_argument("--variants", nargs="+", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE...]",
                     help="with --compile, also time the compiled step with Inductor config changes, one path per "
-                         "LABEL (e.g. pdl:triton.enable_pdl=1 combo:combo_kernels=1); early=1 also launches "
-                         "our own kernels early (skinny.PDL, triton_decode.PDL); widest=1:8192/8:4096 "
+                         "LABEL (e.g. late:triton.enable_pdl=0 combo:combo_kernels=1); early=0 launches our own "
+                         "kernels without programmatic dependent launch (skinny.PDL, triton_decode.PDL); widest=1:8192/8:4096 "
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
@@ -190,8 +191,9 @@ def main() -> None:
             label, _, changes = spec.partition(":")
             inductor = dict(parse_setting(c) for c in changes.split(",") if c)
             modules[label] = {}
-            if inductor.pop("early", False):
-                modules[label].update({(skinny, "PDL"): True, (triton_decode, "PDL"): True})
+            if "early" in inductor:  # our own kernels launched early or not (default: early)
+                on = bool(inductor.pop("early"))
+                modules[label].update({(skinny, "PDL"): on, (triton_decode, "PDL"): on})
             if "widest" in inductor:  # rows:columns/rows:columns...
                 widest = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
                 modules[label][(skinny, "WIDEST")] = widest
