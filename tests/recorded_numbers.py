@@ -249,11 +249,31 @@ def small_models() -> dict:
     return out
 
 
+def small_models_pdl() -> dict:
+    """Small models' compiled decode step as it runs by default (kernels launched early: programmatic
+    dependent launch) against the same step without it (floor_matrix.py --variants late:...); one H200."""
+    run = DATA / "runs/gpu_small_models_pdl_2026-12-04/"
+    out = {}
+    for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-1b-shape", "l1b")):
+        for p in json.loads((run / f"floor_matrix_{model}.json").read_text())["points"]:
+            b = p["batch"]
+            out[f"{short}_b{b}_floor_ms"] = p["floor_ms"]
+            for path, name in (("compile", "early"), ("late", "late")):
+                out[f"{short}_b{b}_{name}_ms"] = p[path]["ms"]
+                out[f"{short}_b{b}_{name}_x"] = p[path]["over_floor"]
+            out[f"{short}_b{b}_saved_ms"] = p["late"]["ms"] - p["compile"]["ms"]
+            out[f"{short}_b{b}_compile_s"] = p["compile"]["first_call_s"]
+            if p["compile"]["kernels"]:
+                out[f"{short}_b{b}_late_gaps_ms"] = p["late"]["kernels"]["gaps"]
+    return out
+
+
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,
             "same_process": same_process, "sweep": sweep, "floor_matrix": floor_matrix, "profile": profile,
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
-            "serving_all_graphs": serving_all_graphs, "small_models": small_models}
+            "serving_all_graphs": serving_all_graphs, "small_models": small_models,
+            "small_models_pdl": small_models_pdl}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -286,7 +306,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                                   "server-async-allgraphs-capture512.log"],
            "small_models": ["figures/data/runs/gpu_small_models_skinny_2026-12-04/floor_matrix_qwen3-0.6b-shape.json",
                             "figures/data/runs/gpu_small_models_skinny_2026-12-04/floor_matrix_llama3-1b-shape.json",
-                            "figures/data/runs/gpu_small_models_skinny_2026-12-04/skinny_gemv_qwen3-0.6b-shape.json"]}
+                            "figures/data/runs/gpu_small_models_skinny_2026-12-04/skinny_gemv_qwen3-0.6b-shape.json"],
+           "small_models_pdl": ["figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_qwen3-0.6b-shape.json",
+                                "figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_llama3-1b-shape.json"]}
 
 
 def derive() -> dict:

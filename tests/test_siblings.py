@@ -162,3 +162,32 @@ def test_the_backend_compiles_the_merged_graph_once_for_every_caller():
         second = torch.compile(forward, backend=siblings.backend("cpu-test"))(ids)
     assert backend.merged == [3 * model.num_layers]  # one compile, q/k/v and gate/up merged in it
     assert torch.allclose(first, want, atol=1e-5) and torch.equal(first, second)
+
+
+def test_inductor_config_reaches_the_compile(monkeypatch):
+    """CompiledStep(inductor=...) and siblings.backend(inductor=...): one backend per set of options
+    however they are passed, and its config patches go to Inductor on top of the mode's; on a CPU the
+    compiled step adds no early-launch config of its own."""
+    from minibatch.speed import compat, compiled
+
+    seen = []
+    monkeypatch.setattr(siblings, "inductor_compile", lambda gm, ex, mode, patches: seen.append(patches) or gm.forward)
+    a = siblings.backend("cpu-patch-test", True, False, {"b": 2, "a": 1})
+    assert siblings.backend("cpu-patch-test", True, False, {"a": 1, "b": 2}) is a
+    assert siblings.backend("cpu-patch-test", True, False) is not a
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(lambda x: x * 2, backend=a)(torch.ones(3))
+    assert seen == [(("a", 1), ("b", 2))]
+    assert compiled.early_launch(torch.device("cpu")) == {}
+    step = compiled.CompiledStep(minibatch.load_model("random-llama", device="cpu", dtype=torch.float32),
+                                 inductor={"fallback_random": True})
+    assert step.inductor == {"fallback_random": True}
+    import torch._inductor.compile_fx as compile_fx
+
+    given = []
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, ex, config_patches=None: given.append(config_patches))
+    compat.inductor_compile(None, [], "max-autotune-no-cudagraphs", (("triton.enable_pdl", True),))
+    compat.inductor_compile(None, [], None, ())
+    assert given[0]["triton.enable_pdl"] is True and given[0]["max_autotune"] is True  # the mode's and ours
+    assert given[1] is None

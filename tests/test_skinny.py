@@ -157,3 +157,16 @@ def test_the_kernel_computes_the_product(rows, setting):
     tol = 5e-2 if setting.get("dot") and DEVICE == "cuda" else 1e-4  # (tensor cores: TF32 on a GPU)
     assert torch.allclose(y, x @ w.T, atol=tol, rtol=tol)
     assert torch.equal(y, again)
+
+
+def test_early_launch_only_where_the_gpu_has_it(monkeypatch):
+    """Programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or more, and never runs
+    under Triton's CPU interpreter (which has no grid-dependency instructions)."""
+    assert not skinny.has_pdl(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not skinny.has_pdl(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert skinny.has_pdl(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not skinny.has_pdl(torch.device("cuda"))

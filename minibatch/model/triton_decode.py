@@ -30,7 +30,9 @@ small kernel combines them:
     M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
-than one BLOCK_N chunk of keys.
+than one BLOCK_N chunk of keys. On Hopper and later both kernels are launched early (`PDL`): the
+attention asks its rows' cached keys and values into L2 while the kernel before it (which writes this
+step's query and new key) finishes, and reads them once it has.
 """
 
 from __future__ import annotations

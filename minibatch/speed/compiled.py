@@ -46,7 +46,9 @@ class CompiledStep:
     bf16 tokens may differ from an unmerged compiled step's for the same reason. With `skinny` (the
     default on CUDA with Triton, when merged) the products of 1-4 rows by a narrow weight (a small model's attention
     output and MLP down projections) run on skinny.py's kernel instead of cuBLAS's, which leaves most of
-    the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds.
+    the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds. On Hopper and
+    later, Inductor's kernels launch early (`early_launch`; `inductor` adds or overrides config): the
+    arithmetic is the same, so are the bits.
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row

@@ -24,7 +24,8 @@ deterministic, unlike atomic adds, so the same step gives the same bits every ti
 Where it is used: `skinny_linear` (the custom operator `minibatch::skinny_linear`) takes the place of
 the `linear` calls of a compiled decode step with few rows and a narrow output, on CUDA (`route`, a
 pass of siblings.py's backend; `CompiledStep(skinny=...)`, on by default where Triton is installed);
-it picks its setting per shape (`settings`), and runs cuBLAS where none was measured to win. Sums run
+it picks its setting per shape (`settings`), and runs cuBLAS where none was measured to win. On Hopper
+and later it is launched early (`PDL`): its weights stream into L2 while the kernel before it finishes. Sums run
 in another order than cuBLAS's, so bf16 tokens may differ from a compiled step without it: compare
 like with like, as CompiledStep says.
 """
@@ -157,9 +158,10 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     one row and 1.1-1.7x with 4; on its wide products (4096 columns and more) it only ties with one row
     and loses with 4; the 1B model's step (o and down with 2048 columns) was faster with the kernel at
     one row and slower at 4 rows; with 8 rows cuBLAS is within 9% of the kernel's best setting
-    everywhere. So: one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
+    everywhere. So (`WIDEST`): one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
     timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
-    pieces of 1024, 4 warps, 3 pipeline stages.
+    pieces of 1024, 4 warps, 3 pipeline stages (K in pieces of 256 above 4 rows, for experiments that
+    widen `WIDEST`: a [rows, 4, 1024] product of plain multiply-adds would not fit in registers).
     """
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
     if n > widest:

@@ -421,7 +421,62 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # three for the q/k norms, rotary embedding and cache writes, the attention and its combine step, the
 # activation), each taking 1.5-5 microseconds however few bytes it reads, against a floor of about 10 microseconds per
 # layer. Going further means fewer, larger kernels (a whole layer in one, as the "megakernel" work on
-# Llama-1B does), not faster ones.
+# Llama-1B does), or kernels that overlap.
+
+# %% [markdown]
+# ### Kernels that start before the one before them ends
+#
+# Inside a CUDA graph, a kernel starts once the kernel before it has finished, and it then needs a
+# moment to get going: its programs land on the multiprocessors, issue their first loads, wait for
+# memory. With 350 kernels in a step those moments add up. Hopper GPUs can start a kernel *early*
+# ("programmatic dependent launch"): it is launched while the previous one still runs, does whatever
+# does not depend on it, then waits at `gdc_wait()` until the previous kernel's results are visible.
+# The previous kernel says when its successor may launch (`gdc_launch_dependents()`).
+#
+# What can a kernel do before its input exists? Most of what it reads is not written by the kernel
+# before it. skinny.py's kernel asks for its weights to be brought into the L2 cache (a `prefetch`
+# instruction, one per 128-byte line) and only then waits for `x`; the decode attention does the same
+# with the cached keys and values of its rows (the key table is the step's input, written before the
+# graph started). Inductor writes the wait and the launch signal into every kernel it generates when its
+# `triton.enable_pdl` option is on, which the compiled step sets on such GPUs
+# (`compiled.early_launch`). One detail mattered: a kernel that lets its successor launch at its very
+# start hands the successor's waiting programs the places on the multiprocessors that its own last
+# programs still need, so ours signal after their main loop.
+#
+# The same compiled step with and without early launches, in one process (`floor_matrix.py --variants
+# late:triton.enable_pdl=0,early=0`):
+
+# %%
+PDL = DATA + "runs/gpu_small_models_pdl_2026-12-04/"
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+for ax, name in zip(axes, ("qwen3-0.6b-shape", "llama3-1b-shape")):
+    points = json.load(open(PDL + f"floor_matrix_{name}.json"))["points"]
+    xs = range(len(points))
+    for i, (path, label) in enumerate((("late", "each kernel after the one before"), ("compile", "launched early"))):
+        ax.bar([x + 0.4 * i for x in xs], [p[path]["ms"] for p in points], width=0.4, label=label)
+    ax.plot([x + 0.2 for x in xs], [3 * p["floor_ms"] for p in points], "k_", markersize=30, label="3x the floor")
+    ax.set_xticks([x + 0.2 for x in xs], [f"batch {p['batch']}" for p in points])
+    ax.set_title(f"{name}, context 512 (H200)", fontsize=10)
+axes[0].set_ylabel("ms per decode step")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+fig.tight_layout(rect=(0, 0.08, 1, 1))
+fig.savefig(f"{FIGURES}/07_small_model_early_launch_gpu.png", dpi=110)
+print(f"{'model':17} {'batch':>5} {'floor':>6} {'not early':>14} {'early':>14}   (ms per step, x floor)")
+for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
+    for p in json.load(open(PDL + f"floor_matrix_{name}.json"))["points"]:
+        print(f"{name:17} {p['batch']:5d} {p['floor_ms']:6.2f} {p['late']['ms']:7.2f} ({p['late']['over_floor']:.2f}x)"
+              f" {p['compile']['ms']:7.2f} ({p['compile']['over_floor']:.2f}x)")
+
+# %% [markdown]
+# The 0.6B step is 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b1_saved_ms --> ms shorter at batch 1 and 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b8_saved_ms --> ms at batch 8: 3.40x <!-- from figures/data/headline.json: small_models_pdl.q06_b1_early_x -->, 3.51x <!-- from figures/data/headline.json: small_models_pdl.q06_b4_early_x --> and
+# 3.36x <!-- from figures/data/headline.json: small_models_pdl.q06_b8_early_x --> its floor at batches 1, 4 and 8. Read that gain with care. Under the profiler, the step
+# without early launches spent 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b1_late_gaps_ms --> ms at batch 1 *between* kernels, and other compiles of the same step
+# (BENCHMARKS.md) spent almost nothing there and ran as fast as the early one: what early launch
+# reliably buys is a step that is never slower than the sum of its kernels. It does not make the
+# kernels themselves faster, and the 0.6B step is still above 3x its floor. Inductor's "combo
+# kernels" (small kernels that do not depend on each other, launched as one) took 28 kernels off the
+# step and 0.03 ms at batch 1 (0.05 at batch 8), but with them the step at batch 4 took 1.50 ms against
+# 1.19-1.20 without, so they stay off.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
