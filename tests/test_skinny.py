@@ -159,6 +159,91 @@ def test_the_kernel_computes_the_product(rows, setting):
     assert torch.equal(y, again)
 
 
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("setting", [dict(block_n=4, block_k=32, warps=4, stages=3),
+                                     dict(block_n=4, block_k=32, warps=4, stages=3, split=4)], ids=["plain", "split4"])
+def test_the_kernel_computes_the_activation_and_the_product(rows, setting):
+    """launch with `up`: (silu(gate) * up) @ w.T, gate and up the two halves of one wider tensor (as an
+    MLP's merged gate/up product leaves them), float32."""
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 400, generator=g).to(DEVICE)
+    gate, up = gate_up[:, :200], gate_up[:, 200:]
+    w = torch.randn(52, 200, generator=g).to(DEVICE)
+    y = torch.empty(rows, 52, device=DEVICE)
+    skinny.launch(gate, w, y, setting, up)
+    assert torch.allclose(y, (torch.nn.functional.silu(gate) * up) @ w.T, atol=1e-4, rtol=1e-4)
+
+
+class _Mlp(torch.nn.Module):
+    """A gated MLP as transformers writes it: down(act(gate(x)) * up(x)); gate and up too wide for the
+    kernel (as the merged gate/up product of a real step is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 1100, bias=False)
+        self.up = torch.nn.Linear(64, 1100, bias=False)
+        self.down = torch.nn.Linear(1100, 64, bias=False)
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def test_fuse_activation_takes_the_mlp_activation_into_the_down_product():
+    """The pass after `route`: the down product's input silu(gate) * up becomes the gated operator's two
+    inputs; the activation and the product leave the graph, the result is unchanged (the operator runs
+    silu, multiply and F.linear off CUDA)."""
+    torch.manual_seed(2)
+    module = _Mlp().eval()
+    x = torch.randn(1, 2, 64)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(skinny.route(gm, example_inputs, on_cuda_only=False))
+        seen.append(skinny.fuse_activation(gm))
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        seen.append(targets.count(torch.ops.minibatch.skinny_gated_linear.default))
+        seen.append(sum(t in (torch.nn.functional.silu, torch._C._nn.silu) for t in targets))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(module, backend=backend, dynamic=False)(x)
+        want = module(x)
+    assert seen == [1, 1, 1, 0]  # down routed, then fused; no silu left in the graph
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_fuse_activation_finds_every_mlp_of_a_merged_transformers_model():
+    """On a transformers Qwen3 (random weights, CPU) after siblings.merge and route: every layer's
+    activation goes into its down product (the merged gate/up slices carry no example values: the pass
+    reads their slice arguments), and the logits are unchanged."""
+    import minibatch
+    from minibatch.speed import siblings
+
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    ids = torch.randint(0, model.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def backend(gm, example_inputs):
+        siblings.merge(gm, example_inputs)
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        seen.append(skinny.fuse_activation(gm))
+        return gm.forward
+
+    def forward(x):
+        return model.hf(input_ids=x, use_cache=False).logits
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(forward, backend=backend, dynamic=False)(ids)
+        want = forward(ids)
+    assert seen == [model.num_layers]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_early_launch_only_where_the_gpu_has_it(monkeypatch):
     """Programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or more, and never runs
     under Triton's CPU interpreter (which has no grid-dependency instructions)."""

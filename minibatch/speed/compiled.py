@@ -99,6 +99,12 @@ class CompiledStep:
         which runs the kernel or F.linear per call (`skinny.settings`)."""
         return self._backend().routed
 
+    @property
+    def gated(self) -> list[int]:
+        """Per compile (of any CompiledStep with these options): routed products that took the MLP's
+        activation along (skinny.fuse_activation, where skinny.GATED is on)."""
+        return self._backend().gated
+
     def _backend(self):
         from .siblings import backend
 

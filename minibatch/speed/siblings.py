@@ -176,20 +176,23 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`), then Inductor with the options of
-    torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged` and `routed`: per
-    compile, how many linear calls went into a sibling's, and how many to the skinny kernel."""
+    torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed` and `gated`:
+    per compile, how many linear calls went into a sibling's, how many to the skinny kernel, and how many
+    of those took their activation along (skinny.fuse_activation, with skinny.GATED)."""
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
-        self.merged, self.routed = [], []
+        self.merged, self.routed, self.gated = [], [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         if self.merging:
             self.merged.append(merge(gm, example_inputs))
         if self.skinny:
-            from .skinny import route
+            from . import skinny
 
-            self.routed.append(route(gm, example_inputs))
+            self.routed.append(skinny.route(gm, example_inputs))
+            if skinny.GATED:
+                self.gated.append(skinny.fuse_activation(gm))
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 

@@ -27,7 +27,7 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
 `inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
-skinny.py's kernel.
+skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel.
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -159,7 +159,8 @@ def main() -> None:
                     help="with --compile, also time the compiled step with Inductor config changes, one path per "
                          "LABEL (e.g. late:triton.enable_pdl=0 combo:combo_kernels=1); early=0 launches our own "
                          "kernels without programmatic dependent launch (skinny.PDL, triton_decode.PDL); widest=1:8192/8:4096 "
-                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel)")
+                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets skinny.GATED "
+                         "(the MLP's activation computed in the down product's kernel)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -194,6 +195,8 @@ def main() -> None:
             if "early" in inductor:  # our own kernels launched early or not (default: early)
                 on = bool(inductor.pop("early"))
                 modules[label].update({(skinny, "PDL"): on, (triton_decode, "PDL"): on})
+            if "gated" in inductor:  # the MLP's activation inside the down product's kernel (skinny.GATED)
+                modules[label][(skinny, "GATED")] = bool(inductor.pop("gated"))
             if "widest" in inductor:  # rows:columns/rows:columns...
                 widest = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
                 modules[label][(skinny, "WIDEST")] = widest
@@ -224,6 +227,7 @@ def main() -> None:
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
+                        row[name]["gated"] = compiled.gated[-1] if compiled.gated else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
