@@ -125,36 +125,62 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
 
 
 def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
-    """Programmatic dependent launch (Inductor's triton.enable_pdl, skinny.PDL, triton_decode.PDL): each
-    kernel may start before the one it reads from has finished, and must wait for it before reading. A
-    missing wait would read half-written activations or keys; the tokens must be the eager ones
-    (float32), sync and async."""
-    from minibatch.model import triton_decode
-    from minibatch.speed import skinny
+    """Programmatic dependent launch (speed/early.py: Inductor's triton.enable_pdl, and our kernels inside
+    the compiled step's calls): each kernel may start before the one it reads from has finished, and must
+    wait for it before reading. A missing wait would read half-written activations or keys; the tokens
+    must be the eager ones (float32), sync and async."""
+    from minibatch.speed import early, skinny
 
-    if torch.cuda.get_device_capability()[0] < 9:
+    if not early.has_pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config.triton, "enable_pdl"):
+    if not early.inductor_options(torch.device("cuda")):
         pytest.skip("this torch's Inductor has no triton.enable_pdl")
-    launches = []
+    launched_early = []
     real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda *a: launches.append(a[3]) or real_launch(*a))
-    monkeypatch.setattr(skinny, "PDL", True)
-    monkeypatch.setattr(triton_decode, "PDL", True)
+    monkeypatch.setattr(skinny, "launch", lambda *a: launched_early.append(early.wanted()) or real_launch(*a))
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     assert model.decode_attention == "triton"
     g = torch.Generator().manual_seed(7)
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     kw = dict(max_new_tokens=24, max_batch_size=4, max_batch_tokens=256)
     eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
-    early = CompiledStep(model, inductor={"triton.enable_pdl": True})
+    step = CompiledStep(model)
+    assert step.inductor == {"triton.enable_pdl": True}  # (the default on such a GPU)
     with minibatch.Engine(model) as engine:
-        engine._compiled = early
+        engine._compiled = step
         assert engine.generate(work, mode="sync", compile=True, **kw) == eager
         assert engine.generate(work, mode="async", compile=True, **kw) == eager
-    assert early.shapes and launches
+    assert step.shapes and launched_early and all(launched_early)
+
+
+def test_a_kernel_launched_early_waits_for_the_one_before():
+    """Two of skinny.py's products in a row inside a CUDA graph, launched early: the second is launched
+    while the first still runs (the first lets it launch after its main loop) and must wait before
+    reading the first one's output. Same result as the two products one after the other (float32)."""
+    from minibatch.speed import early, skinny
+
+    if not early.has_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 1024, device="cuda", generator=g)
+    w1, w2 = (torch.randn(1024, 1024, device="cuda", generator=g) / 32 for _ in range(2))
+    setting = dict(skinny.settings(1, 1024, 1024), pdl=True)
+    mid, out = torch.empty(1, 1024, device="cuda"), torch.empty(1, 1024, device="cuda")
+
+    def chain():
+        skinny.launch(x, w1, mid, setting)
+        skinny.launch(mid, w2, out, setting)
+
+    chain()  # (compiles the kernel before capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(20):
+        x.normal_(generator=g)
+        graph.replay()
+        want = torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
+        assert torch.allclose(out, want, atol=1e-3, rtol=1e-3)
 
 
 def test_the_mlp_activation_inside_the_down_kernel_gives_the_eager_tokens(monkeypatch):
@@ -163,6 +189,9 @@ def test_the_mlp_activation_inside_the_down_kernel_gives_the_eager_tokens(monkey
     from minibatch.speed import skinny
 
     monkeypatch.setattr(skinny, "GATED", True)
+    gated_launches = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda *a: gated_launches.append(a[4] is not None) or real_launch(*a))
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     g = torch.Generator().manual_seed(8)
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (6, 19, 11)]
@@ -179,6 +208,7 @@ def test_the_mlp_activation_inside_the_down_kernel_gives_the_eager_tokens(monkey
     finally:
         torch._dynamo.reset()
     assert step.gated[before:] and set(step.gated[before:]) == {model.num_layers}
+    assert any(gated_launches)  # (the kernel ran with the activation inside, not the eager fallback)
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -186,16 +216,18 @@ def test_the_mlp_activation_inside_the_down_kernel_gives_the_eager_tokens(monkey
 def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k, early, monkeypatch):
     """skinny_linear where it runs the kernel (the 0.6B and 1B shapes' narrow products), bf16 as real
     models run: within bf16 rounding of F.linear, for a 3-D input whose rows are a slice of a wider tensor;
-    launched early (skinny.PDL) or not."""
-    from minibatch.speed import skinny
+    with the early-launch variant of the kernel (compiled where the GPU has it) or without."""
+    import contextlib
 
-    monkeypatch.setattr(skinny, "PDL", early)
+    from minibatch.speed import early as early_launch
+    from minibatch.speed import skinny
 
     assert skinny.settings(rows, n, k) is not None
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(1, rows, k + 64, device="cuda", dtype=torch.bfloat16, generator=g)[..., :k]  # rows strided
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    got = torch.ops.minibatch.skinny_linear(x, w)
+    with early_launch.inside() if early else contextlib.nullcontext():
+        got = torch.ops.minibatch.skinny_linear(x, w)
     want = torch.nn.functional.linear(x, w)
     assert got.shape == want.shape == (1, rows, n)
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)

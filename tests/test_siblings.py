@@ -168,7 +168,7 @@ def test_inductor_config_reaches_the_compile(monkeypatch):
     """CompiledStep(inductor=...) and siblings.backend(inductor=...): one backend per set of options
     however they are passed, and its config patches go to Inductor on top of the mode's; on a CPU the
     compiled step adds no early-launch config of its own."""
-    from minibatch.speed import compat, compiled
+    from minibatch.speed import compat, compiled, early
 
     seen = []
     monkeypatch.setattr(siblings, "inductor_compile", lambda gm, ex, mode, patches: seen.append(patches) or gm.forward)
@@ -179,7 +179,7 @@ def test_inductor_config_reaches_the_compile(monkeypatch):
     with torch.no_grad():
         torch.compile(lambda x: x * 2, backend=a)(torch.ones(3))
     assert seen == [(("a", 1), ("b", 2))]
-    assert compiled.early_launch(torch.device("cpu")) == {}
+    assert early.inductor_options(torch.device("cpu")) == {}
     step = compiled.CompiledStep(minibatch.load_model("random-llama", device="cpu", dtype=torch.float32),
                                  inductor={"fallback_random": True})
     assert step.inductor == {"fallback_random": True}

@@ -201,7 +201,7 @@ def test_fuse_activation_takes_the_mlp_activation_into_the_down_product():
 
     def backend(gm, example_inputs):
         seen.append(skinny.route(gm, example_inputs, on_cuda_only=False))
-        seen.append(skinny.fuse_activation(gm))
+        seen.append(skinny.fuse_activation(gm, example_inputs))
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         seen.append(targets.count(torch.ops.minibatch.skinny_gated_linear.default))
         seen.append(sum(t in (torch.nn.functional.silu, torch._C._nn.silu) for t in targets))
@@ -230,7 +230,7 @@ def test_fuse_activation_finds_every_mlp_of_a_merged_transformers_model():
     def backend(gm, example_inputs):
         siblings.merge(gm, example_inputs)
         skinny.route(gm, example_inputs, on_cuda_only=False)
-        seen.append(skinny.fuse_activation(gm))
+        seen.append(skinny.fuse_activation(gm, example_inputs))
         return gm.forward
 
     def forward(x):
@@ -246,12 +246,57 @@ def test_fuse_activation_finds_every_mlp_of_a_merged_transformers_model():
 
 def test_early_launch_only_where_the_gpu_has_it(monkeypatch):
     """Programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or more, and never runs
-    under Triton's CPU interpreter (which has no grid-dependency instructions)."""
-    assert not skinny.has_pdl(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not skinny.has_pdl(torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    under Triton's CPU interpreter (which has no grid-dependency instructions, whichever way
+    TRITON_INTERPRET says on); our kernels want it only inside a compiled step's calls."""
+    from minibatch.speed import early
+
+    cuda = torch.device("cuda", 0)
+    assert not early.has_pdl(torch.device("cpu")) and early.inductor_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(early, "_capability", lambda index: 8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert skinny.has_pdl(torch.device("cuda"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not skinny.has_pdl(torch.device("cuda"))
+    assert not early.has_pdl(cuda)
+    monkeypatch.setattr(early, "_capability", lambda index: 9)
+    assert early.has_pdl(cuda)
+    for on in ("1", "true", "ON"):
+        monkeypatch.setenv("TRITON_INTERPRET", on)
+        assert not early.has_pdl(cuda)
+    assert not early.wanted()
+    with early.inside():
+        assert early.wanted()
+        monkeypatch.setattr(early, "ENABLED", False)
+        assert not early.wanted()
+    monkeypatch.setattr(early, "ENABLED", True)
+    assert not early.wanted()
+
+
+def _fused_count(module, x, dynamic=False):
+    seen = []
+
+    def backend(gm, example_inputs):
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        seen.append(skinny.fuse_activation(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(module, backend=backend, dynamic=dynamic)(x)
+    assert torch.allclose(got, module(x), atol=1e-5)
+    return seen
+
+
+class _InPlaceMlp(_Mlp):
+    """silu applied in place to a gate that is read again afterwards: fusing would change that read."""
+
+    def forward(self, x):
+        g = self.gate(x)
+        return self.down(torch.nn.functional.silu(g, True) * self.up(x)) + g.sum()
+
+
+def test_fuse_activation_leaves_what_the_kernel_would_change_alone():
+    """No fusion for an in-place silu (positional `inplace`), for more rows than the kernel takes (the
+    eager fallback would round twice), or for a symbolic row count."""
+    torch.manual_seed(3)
+    assert _fused_count(_InPlaceMlp().eval(), torch.randn(1, 2, 64)) == [0]
+    assert _fused_count(_Mlp().eval(), torch.randn(1, max(skinny.WIDEST) + 1, 64)) == [0]
+    assert _fused_count(_Mlp().eval(), torch.randn(1, 3, 64), dynamic=True) == [0]
+    assert _fused_count(_Mlp().eval(), torch.randn(1, 3, 64)) == [1]

@@ -30,9 +30,9 @@ small kernel combines them:
     M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
-than one BLOCK_N chunk of keys. On Hopper and later both kernels are launched early (`PDL`): the
-attention asks its rows' cached keys and values into L2 while the kernel before it (which writes this
-step's query and new key) finishes, and reads them once it has.
+than one BLOCK_N chunk of keys. On Hopper and later, inside compiled steps, both kernels are launched
+early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
+kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
 """
 
 from __future__ import annotations
@@ -44,14 +44,9 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
-from ..speed.skinny import has_pdl, prefetch_l2
+from ..speed.early import has_pdl, prefetch_l2, wanted
 
 BLOCK_N = 64  # keys per loop iteration
-#: Programmatic dependent launch (Hopper and later): the kernels may start while the kernel before them
-#: still runs, and wait for it (`gdc_wait`) before reading what it writes (see `_early_start`). They let
-#: the next kernel launch only after their main loop: launched sooner, its programs (which wait) would
-#: take the places on the SMs that the last of ours need.
-PDL = True
 
 
 def available() -> bool:
@@ -66,10 +61,12 @@ if triton is not None:
     def _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr):
         """A decode kernel launched while the kernel before it still runs (which writes this step's keys,
-        values and query): the key table is the step's input, so the cache lines of row r's keys and
-        values lo..hi (head h) are asked into L2 now; every value is read after that kernel is done."""
+        values and query): the key table is the step's input, so the cache lines of row r's first keys and
+        values from lo (head h; two chunks at most, so that the work before waiting stays short however long
+        the context) are asked into L2 now; every value is read after that kernel is done. It then lets its own successor launch only after its main loop: launched sooner,
+        the successor's waiting programs would take places on the SMs that the last of ours need."""
         lines = tl.arange(0, D // LINE) * LINE
-        for start in range(lo, hi, BLOCK_N):
+        for start in range(lo, tl.minimum(hi, lo + 2 * BLOCK_N), BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             slot = tl.load(kvi_ptr + r * L + offs_n, mask=offs_n < hi, other=0)
             prefetch_l2(k_ptr + slot[:, None] * sk_s + h * sk_h + lines[None, :])
@@ -125,7 +122,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         if PDL:
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (see PDL for why not sooner)
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
             n_split = tl.num_programs(2)
             at = (r * tl.num_programs(1) * G + heads) * n_split + split
@@ -203,7 +200,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
     o = out[0]
-    pdl = PDL and has_pdl(query.device)
+    pdl = wanted() and has_pdl(query.device)  # (inside compiled steps: speed/early.py)
     early = {"launch_pdl": True} if pdl else {}
     width = kv_indices.shape[0] // rows
     if splits == 0:

@@ -16,6 +16,7 @@ import torch
 
 from ..core.batch import DYNAMIC_ROWS
 from ..core.sampling import sample
+from . import early
 from .compat import mark_dynamic, raise_recompile_limit
 from ..core.device import resident
 
@@ -47,8 +48,8 @@ class CompiledStep:
     default on CUDA with Triton, when merged) the products of 1-4 rows by a narrow weight (a small model's attention
     output and MLP down projections) run on skinny.py's kernel instead of cuBLAS's, which leaves most of
     the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds. On Hopper and
-    later, Inductor's kernels launch early (`early_launch`; `inductor` adds or overrides config): the
-    arithmetic is the same, so are the bits.
+    later, the step's kernels launch early (early.py: Inductor's, and ours inside its calls; `inductor`
+    adds or overrides Inductor config): the arithmetic is the same, so are the bits.
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row
@@ -82,8 +83,8 @@ class CompiledStep:
 
             skinny = merge and model.device.type == "cuda" and kernel.available()
         self.skinny = skinny
-        # Inductor config on top of the mode's: by default its kernels launch early where the GPU allows (early_launch)
-        self.inductor = {**early_launch(model.device), **(inductor or {})}
+        # Inductor config on top of the mode's: by default its kernels launch early where the GPU allows (early.py)
+        self.inductor = {**early.inductor_options(model.device), **(inductor or {})}
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
@@ -155,7 +156,7 @@ class CompiledStep:
             # dynamic rows: the forward alone (to the logits), the sampler apart (see the class doc)
             fn = self.model._forward if self.dynamic_rows else self.model.forward_sample
             self._fn = self._compile(fn)
-        with torch.inference_mode():
+        with torch.inference_mode(), early.inside():
             if not self.dynamic_rows:
                 return self._fn(batch, cache, self.attention)
             logits = self._fn(batch, cache, self.attention)
@@ -166,21 +167,6 @@ class CompiledStep:
             if self._pick is None:
                 self._pick = self._compile(pick)
             return self._pick(logits, batch.temperature, batch.seed, batch.counter, batch.all_greedy)
-
-
-def early_launch(device: torch.device) -> dict:
-    """Inductor's config for programmatic dependent launch on `device` where it has it (Hopper and later):
-    each generated kernel may start while the one before it still runs and waits for it before reading
-    what it wrote, so a chain of short kernels (a small model's decode step) loses less time between
-    them. skinny.py's and triton_decode.py's kernels do the same (their PDL). Measured: BENCHMARKS.md,
-    small models."""
-    import torch._inductor.config as inductor_config
-
-    from .skinny import has_pdl
-
-    if not (has_pdl(device) and hasattr(inductor_config.triton, "enable_pdl")):
-        return {}
-    return {"triton.enable_pdl": True}
 
 
 def pick(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,

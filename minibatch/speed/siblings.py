@@ -191,8 +191,7 @@ class _Backend:
             from . import skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
-            if skinny.GATED:
-                self.gated.append(skinny.fuse_activation(gm))
+            self.gated.append(skinny.fuse_activation(gm, example_inputs) if skinny.GATED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 

@@ -25,7 +25,8 @@ Where it is used: `skinny_linear` (the custom operator `minibatch::skinny_linear
 the `linear` calls of a compiled decode step with few rows and a narrow output, on CUDA (`route`, a
 pass of siblings.py's backend; `CompiledStep(skinny=...)`, on by default where Triton is installed);
 it picks its setting per shape (`settings`), and runs cuBLAS where none was measured to win. On Hopper
-and later it is launched early (`PDL`): its weights stream into L2 while the kernel before it finishes. Sums run
+and later, inside compiled steps, it is launched early (early.py): its weights stream into L2 while the
+kernel before it finishes. Sums run
 in another order than cuBLAS's, so bf16 tokens may differ from a compiled step without it: compare
 like with like, as CompiledStep says.
 """
@@ -34,12 +35,13 @@ from __future__ import annotations
 
 import torch
 
+from .early import has_pdl, prefetch_l2, wanted
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
-    prefetch_l2 = None
 
 #: the widest product (output columns) that goes to the kernel, by the most rows it has (`settings`):
 #: one row up to 2048 columns, 2-4 rows up to 1024; more rows or wider products stay on cuBLAS
@@ -53,13 +55,7 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask for these addresses' 128-byte lines to be brought into L2 (a hint: nothing is returned)."""
-        return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _skinny_kernel(x_ptr, u_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, sum_, swn, sym,
+    def _skinny_kernel(x_ptr, u_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, s_up, swn, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
                        LINE: tl.constexpr, GATED: tl.constexpr):
@@ -70,7 +66,7 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * swn
         x_rows = x_ptr + rm[:, None] * sxm
-        u_rows = u_ptr + rm[:, None] * sum_
+        u_rows = u_ptr + rm[:, None] * s_up
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
         if PDL:  # launched while the kernel before it still runs: this program's weights (which no kernel
@@ -111,33 +107,16 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-#: Programmatic dependent launch (Hopper and later): the kernel may start while the kernel before it in
-#: the stream still runs; it asks for its weights (which no kernel writes) to be brought into L2, and
-#: only then waits for that kernel's results (`gdc_wait`). The weights then stream during the previous
-#: kernel's last microseconds instead of after them.
-PDL = True
-
-
-def has_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched early (programmatic dependent launch: compute
-    capability 9.0 and up; not under Triton's CPU interpreter)."""
-    import os
-
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up: torch.Tensor | None = None) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
     With `up` (x's shape and layout): y = (silu(x) * up) @ w.T, an MLP's activation and down product in one.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
-    tile; block_n and block_k at least 16; default False), pdl (default `PDL`: launched early, see
-    `PDL`; only where the GPU has it)."""
+    tile; block_n and block_k at least 16; default False), pdl (launched early: early.py; default: inside
+    a compiled step, only where the GPU has it)."""
     block_n, block_k = setting["block_n"], setting["block_k"]
-    pdl = setting.get("pdl", PDL) and has_pdl(x.device)
+    pdl = setting.get("pdl", wanted()) and has_pdl(x.device)
     split, dot = setting.get("split", 1), setting.get("dot", False)
     M, K = x.shape
     N = w.shape[0]
@@ -266,12 +245,14 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
 GATED = False
 
 
-def fuse_activation(gm: torch.fx.GraphModule) -> int:
+def fuse_activation(gm: torch.fx.GraphModule, example_inputs) -> int:
     """A pass after `route`: a `skinny_linear` call whose input is silu(gate) * up (an MLP's activation,
     used nowhere else) becomes one `skinny_gated_linear` call, which computes the activation as its kernel
-    loads the input, so the step has no activation kernel of its own. Returns how many calls it fused."""
+    loads the input, so the step has no activation kernel of its own; only where the row count is static
+    and `settings` gives the product to the kernel. Returns how many calls it fused."""
     import operator
 
+    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
     silu = (torch.nn.functional.silu, torch._C._nn.silu)
     fused = 0
     for node in list(gm.graph.nodes):
@@ -282,13 +263,19 @@ def fuse_activation(gm: torch.fx.GraphModule) -> int:
                 and len(x.args) == 2 and not x.kwargs and len(x.users) == 1):
             continue
         act = next((a for a in x.args if isinstance(a, torch.fx.Node) and a.op == "call_function"
-                    and a.target in silu and len(a.users) == 1 and not a.kwargs.get("inplace")), None)
+                    and a.target in silu and len(a.args) == 1 and not a.kwargs.get("inplace")
+                    and len(a.users) == 1), None)  # (an in-place silu changes its input for other readers)
         up = x.args[1] if act is x.args[0] else x.args[0]
         if act is None or not isinstance(up, torch.fx.Node):
             continue
         gate = act.args[0]
         if not _same_shape(gate, up):
             continue  # (a broadcasting product, or shapes the graph does not tell: not the kernel's)
+        value = node.meta.get("example_value")
+        rows = value.numel() // max(value.shape[-1], 1) if isinstance(value, torch.Tensor) else None
+        w = real.get(weight)
+        if not isinstance(rows, int) or not isinstance(w, torch.Tensor) or settings(rows, *w.shape) is None:
+            continue  # (a symbolic or larger row count: its fallback would round in bf16 twice, not once)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.minibatch.skinny_gated_linear.default, (gate, up, weight))
         new.meta.update(node.meta)

@@ -439,9 +439,11 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # with the cached keys and values of its rows (the key table is the step's input, written before the
 # graph started). Inductor writes the wait and the launch signal into every kernel it generates when its
 # `triton.enable_pdl` option is on, which the compiled step sets on such GPUs
-# (`compiled.early_launch`). One detail mattered: a kernel that lets its successor launch at its very
-# start hands the successor's waiting programs the places on the multiprocessors that its own last
-# programs still need, so ours signal after their main loop.
+# (`minibatch/speed/early.py`). Ours launch early only inside a compiled step, where the kernel before
+# them is Inductor's and lets them: after an eager PyTorch kernel the prefetching would only add time.
+# And ours let their successor launch after their main loop, not at their start, so that its waiting
+# programs do not take places on the multiprocessors that our last programs still need (a choice made
+# by reasoning: the two were not timed apart).
 #
 # The same compiled step with and without early launches, in one process (`floor_matrix.py --variants
 # late:triton.enable_pdl=0,early=0`):
@@ -470,10 +472,11 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # %% [markdown]
 # The 0.6B step is 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b1_saved_ms --> ms shorter at batch 1 and 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b8_saved_ms --> ms at batch 8: 3.40x <!-- from figures/data/headline.json: small_models_pdl.q06_b1_early_x -->, 3.51x <!-- from figures/data/headline.json: small_models_pdl.q06_b4_early_x --> and
 # 3.36x <!-- from figures/data/headline.json: small_models_pdl.q06_b8_early_x --> its floor at batches 1, 4 and 8. Read that gain with care. Under the profiler, the step
-# without early launches spent 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b1_late_gaps_ms --> ms at batch 1 *between* kernels, and other compiles of the same step
-# (BENCHMARKS.md) spent almost nothing there and ran as fast as the early one: what early launch
-# reliably buys is a step that is never slower than the sum of its kernels. It does not make the
-# kernels themselves faster, and the 0.6B step is still above 3x its floor. Inductor's "combo
+# without early launches spent 0.12 <!-- from figures/data/headline.json: small_models_pdl.q06_b1_late_gaps_ms --> ms at batch 1 *between* kernels. Other compiles of the same step
+# without early launches (BENCHMARKS.md) spent almost nothing there at batches 1 and 4, and ran as
+# fast as the early one; at batch 8 every one of them had the gap and was 0.12-0.13 ms slower. So early
+# launch takes away time between kernels where a step has it; it does not make the kernels faster, and
+# the 0.6B step is still above 3x its floor. Inductor's "combo
 # kernels" (small kernels that do not depend on each other, launched as one) took 28 kernels off the
 # step and 0.03 ms at batch 1 (0.05 at batch 8), but with them the step at batch 4 took 1.50 ms against
 # 1.19-1.20 without, so they stay off.

@@ -37,6 +37,7 @@ Writes OUTDIR/floor_matrix.json after every point, and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -55,8 +56,7 @@ from minibatch.core.requests import Request, SamplingParams  # noqa: E402
 from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
-from minibatch.speed import skinny  # noqa: E402
-from minibatch.model import triton_decode  # noqa: E402
+from minibatch.speed import early, skinny  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -71,6 +71,35 @@ def parse_setting(text: str) -> tuple:
     if low in ("1", "true", "0", "false"):
         return name, low in ("1", "true")
     return name, int(value) if value.lstrip("-").isdigit() else value
+
+
+def parse_variant(spec: str) -> tuple[str, dict, dict]:
+    """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
+    (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
+    widest=ROWS:COLUMNS/... (skinny.WIDEST); every other name is Inductor config."""
+    label, _, changes = spec.partition(":")
+    inductor = dict(parse_setting(c) for c in changes.split(",") if c)
+    modules = {}
+    if "early" in inductor:
+        modules[(early, "ENABLED")] = bool(inductor.pop("early"))
+    if "gated" in inductor:
+        modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
+    if "widest" in inductor:
+        modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
+    return label, inductor, modules
+
+
+@contextlib.contextmanager
+def module_settings(changed: dict):
+    """Module attributes set to these values ({(module, name): value}) while open, restored after."""
+    saved = {key: getattr(*key) for key in changed}
+    for (module, attr), value in changed.items():
+        setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
 
 
 def kernel_breakdown(replay, reps: int = 5) -> dict:
@@ -157,10 +186,10 @@ def main() -> None:
                          "speed/skinny.py's kernel")
     ap.add_argument("--variants", nargs="+", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE...]",
                     help="with --compile, also time the compiled step with Inductor config changes, one path per "
-                         "LABEL (e.g. late:triton.enable_pdl=0 combo:combo_kernels=1); early=0 launches our own "
-                         "kernels without programmatic dependent launch (skinny.PDL, triton_decode.PDL); widest=1:8192/8:4096 "
-                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets skinny.GATED "
-                         "(the MLP's activation computed in the down product's kernel)")
+                         "LABEL (e.g. late:triton.enable_pdl=0,early=0 combo:combo_kernels=1); early=0 launches our "
+                         "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
+                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
+                         "skinny.GATED (the MLP's activation computed in the down product's kernel)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -189,17 +218,7 @@ def main() -> None:
         if args.skinny_ab:
             paths["cublas"] = CompiledStep(model, args.compile_mode, skinny=False)
         for spec in args.variants:
-            label, _, changes = spec.partition(":")
-            inductor = dict(parse_setting(c) for c in changes.split(",") if c)
-            modules[label] = {}
-            if "early" in inductor:  # our own kernels launched early or not (default: early)
-                on = bool(inductor.pop("early"))
-                modules[label].update({(skinny, "PDL"): on, (triton_decode, "PDL"): on})
-            if "gated" in inductor:  # the MLP's activation inside the down product's kernel (skinny.GATED)
-                modules[label][(skinny, "GATED")] = bool(inductor.pop("gated"))
-            if "widest" in inductor:  # rows:columns/rows:columns...
-                widest = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
-                modules[label][(skinny, "WIDEST")] = widest
+            label, inductor, modules[label] = parse_variant(spec)
             paths[label] = CompiledStep(model, args.compile_mode, inductor=inductor)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
@@ -212,18 +231,11 @@ def main() -> None:
                 kv_floor = floor - floors.decode_floor_ms(model, 0, 0, bandwidth)  # the keys' and values' share
                 row = {"batch": batch, "context": context, "floor_ms": floor, "linear_ms": linear, "kv_floor_ms": kv_floor}
                 for name, compiled in paths.items():
-                    changed = modules.get(name, {})
-                    saved = {key: getattr(*key) for key in changed}
-                    for (module, attr), value in changed.items():
-                        setattr(module, attr, value)
                     if compiled is not None:
                         torch._dynamo.reset()  # (each path compiles its own graph, even where the backend is shared)
-                    try:
+                    with module_settings(modules.get(name, {})):
                         r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
                                          args.kernels if args.kernels in ("top", "all") else None)
-                    finally:
-                        for (module, attr), value in saved.items():
-                            setattr(module, attr, value)
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
