@@ -436,14 +436,14 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # What can a kernel do before its input exists? Most of what it reads is not written by the kernel
 # before it. skinny.py's kernel asks for its weights to be brought into the L2 cache (a `prefetch`
 # instruction, one per 128-byte line) and only then waits for `x`; the decode attention does the same
-# with the cached keys and values of its rows (the key table is the step's input, written before the
+# with the first cached keys and values of its rows (the key table is the step's input, written before the
 # graph started). Inductor writes the wait and the launch signal into every kernel it generates when its
 # `triton.enable_pdl` option is on, which the compiled step sets on such GPUs
 # (`minibatch/speed/early.py`). Ours launch early only inside a compiled step, where the kernel before
 # them is Inductor's and lets them: after an eager PyTorch kernel the prefetching would only add time.
 # And ours let their successor launch after their main loop, not at their start, so that its waiting
 # programs do not take places on the multiprocessors that our last programs still need (a choice made
-# by reasoning: the two were not timed apart).
+# by reasoning: where both were timed, at batch 4, they took the same time).
 #
 # The same compiled step with and without early launches, in one process (`floor_matrix.py --variants
 # late:triton.enable_pdl=0,early=0`):
