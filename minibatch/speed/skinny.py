@@ -26,9 +26,12 @@ the `linear` calls of a compiled decode step with few rows and a narrow output, 
 pass of siblings.py's backend; `CompiledStep(skinny=...)`, on by default where Triton is installed);
 it picks its setting per shape (`settings`), and runs cuBLAS where none was measured to win. On Hopper
 and later, inside compiled steps, it is launched early (early.py): its weights stream into L2 while the
-kernel before it finishes. Sums run
-in another order than cuBLAS's, so bf16 tokens may differ from a compiled step without it: compare
-like with like, as CompiledStep says.
+kernel before it finishes. Sums run in another order than cuBLAS's, so bf16 tokens may differ from a
+compiled step without it: compare like with like, as CompiledStep says.
+
+An experiment, off (`GATED`): `fuse_activation` hands an MLP's silu(gate) * up with its down product to
+`minibatch::skinny_gated_linear`, whose kernel computes the activation as it loads its input (one kernel
+less per layer); not yet timed on a GPU.
 """
 
 from __future__ import annotations
