@@ -15,6 +15,12 @@ Our kernels (skinny.py's product, triton_decode.py's attention) launch early onl
 where the kernels around them are Inductor's and let them start early; in an eager step a PyTorch
 kernel precedes them, which never does, and the work done before waiting would only add time.
 `ENABLED` switches our kernels' early launches off (floor_matrix.py --variants ... early=0).
+
+Why a kernel that waits only for the kernel right before it still sees what earlier ones wrote: every
+kernel lets its successor launch only after its own `gdc_wait` (Inductor writes a wait after a kernel's
+first load even where it reads nothing of its predecessor; ours wait before their main loop and signal
+after it), so no kernel finishes before the kernels before it have. cuBLAS's and PyTorch's kernels are
+never launched early and never signal early: after them, everything behaves as without it.
 Measured: BENCHMARKS.md, small models.
 """
 
