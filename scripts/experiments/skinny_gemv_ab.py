@@ -8,7 +8,7 @@ minibatch/speed/skinny.py at every setting of a grid (columns per program, K per
 pipeline stages, K splits; plain multiply-adds or tensor cores), each over as many distinct weight
 copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant;
 the floor is the weights' bytes at the copy bandwidth measured here. The kernel is launched without
-programmatic dependent launch (skinny.PDL), like cuBLAS's: each product starts after the last. Checks each result against
+programmatic dependent launch (speed/early.py), like cuBLAS's: each product starts after the last. Checks each result against
 cuBLAS's within bf16 rounding. Prints each shape's best setting and the model's products summed
 (cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv_MODEL.json with every timing.
 """
