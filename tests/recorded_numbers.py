@@ -226,16 +226,10 @@ def small_models() -> dict:
     on cuBLAS (floor_matrix.py --skinny-ab), and the products alone (skinny_gemv_ab.py); one H200."""
     run = DATA / "runs/gpu_small_models_skinny_2026-12-04/"
     out = {}
-    for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-1b-shape", "l1b")):
-        for p in json.loads((run / f"floor_matrix_{model}.json").read_text())["points"]:
-            b = p["batch"]
-            out[f"{short}_b{b}_floor_ms"] = p["floor_ms"]
-            for path, name in (("compile", "skinny"), ("cublas", "cublas")):
-                out[f"{short}_b{b}_{name}_ms"] = p[path]["ms"]
-                out[f"{short}_b{b}_{name}_x"] = p[path]["over_floor"]
-                out[f"{short}_b{b}_{name}_kernels"] = p[path]["kernels"]["kernels"]
-            out[f"{short}_b{b}_routed"] = p["compile"]["routed"]
-            out[f"{short}_b{b}_compile_s"] = p["compile"]["first_call_s"]
+    for key, p in _small_model_points(run, {"compile": "skinny", "cublas": "cublas"}, out):
+        for path, name in (("compile", "skinny"), ("cublas", "cublas")):
+            out[f"{key}_{name}_kernels"] = p[path]["kernels"]["kernels"]
+        out[f"{key}_routed"] = p["compile"]["routed"]
     gemv = json.loads((run / "skinny_gemv_qwen3-0.6b-shape.json").read_text())
     for rows in ("1", "4", "8"):
         t = gemv["total"][rows]
@@ -254,18 +248,26 @@ def small_models_pdl() -> dict:
     dependent launch) against the same step without it (floor_matrix.py --variants late:...); one H200."""
     run = DATA / "runs/gpu_small_models_pdl_2026-12-04/"
     out = {}
+    for key, p in _small_model_points(run, {"compile": "early", "late": "late"}, out):
+        out[f"{key}_saved_ms"] = p["late"]["ms"] - p["compile"]["ms"]
+        if p["compile"]["kernels"]:
+            out[f"{key}_late_gaps_ms"] = p["late"]["kernels"]["gaps"]
+    return out
+
+
+def _small_model_points(run: Path, paths: dict, out: dict):
+    """The 0.6B and 1B floor matrices of `run`: for each point, its floor, each path's ms and x floor (named
+    by `paths`) and the default compile's first-call seconds go into `out` under "q06_b1_..." keys; yields
+    (key prefix, point) for the rest."""
     for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-1b-shape", "l1b")):
         for p in json.loads((run / f"floor_matrix_{model}.json").read_text())["points"]:
-            b = p["batch"]
-            out[f"{short}_b{b}_floor_ms"] = p["floor_ms"]
-            for path, name in (("compile", "early"), ("late", "late")):
-                out[f"{short}_b{b}_{name}_ms"] = p[path]["ms"]
-                out[f"{short}_b{b}_{name}_x"] = p[path]["over_floor"]
-            out[f"{short}_b{b}_saved_ms"] = p["late"]["ms"] - p["compile"]["ms"]
-            out[f"{short}_b{b}_compile_s"] = p["compile"]["first_call_s"]
-            if p["compile"]["kernels"]:
-                out[f"{short}_b{b}_late_gaps_ms"] = p["late"]["kernels"]["gaps"]
-    return out
+            key = f"{short}_b{p['batch']}"
+            out[f"{key}_floor_ms"] = p["floor_ms"]
+            for path, name in paths.items():
+                out[f"{key}_{name}_ms"] = p[path]["ms"]
+                out[f"{key}_{name}_x"] = p[path]["over_floor"]
+            out[f"{key}_compile_s"] = p["compile"]["first_call_s"]
+            yield key, p
 
 
 SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers": vs_transformers,

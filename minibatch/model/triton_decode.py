@@ -53,8 +53,6 @@ def available() -> bool:
     return triton is not None
 
 
-
-
 if triton is not None:
 
     @triton.jit
@@ -62,9 +60,10 @@ if triton is not None:
                      D: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr):
         """A decode kernel launched while the kernel before it still runs (which writes this step's keys,
         values and query): the key table is the step's input, so the cache lines of row r's first keys and
-        values from lo (head h; two chunks at most, so that the work before waiting stays short however long
-        the context) are asked into L2 now; every value is read after that kernel is done. It then lets its own successor launch only after its main loop: launched sooner,
-        the successor's waiting programs would take places on the SMs that the last of ours need."""
+        values from lo (head h; two chunks at most, so that the work before waiting stays short however
+        long the context) are asked into L2 now; every value is read after that kernel is done. (The decode
+        kernel lets its own successor launch only after its main loop: launched sooner, the successor's
+        waiting programs would take places on the SMs that the last of ours need.)"""
         lines = tl.arange(0, D // LINE) * LINE
         for start in range(lo, tl.minimum(hi, lo + 2 * BLOCK_N), BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)

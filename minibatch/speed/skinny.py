@@ -126,9 +126,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up:
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    u = x if up is None else up  # (the kernel reads it only when GATED)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
-        x, x if up is None else up, w, target, M, N, K, pieces, x.stride(0), (x if up is None else up).stride(0),
-        w.stride(0), y.stride(0),
+        x, u, w, target, M, N, K, pieces, x.stride(0), u.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
         GATED=up is not None, num_warps=setting["warps"],
@@ -212,7 +212,7 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
     graphs too (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 
-    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    real = _placeholders(gm, example_inputs)
     routed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in LINEAR_TARGETS or len(node.args) < 2:
@@ -226,21 +226,12 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
             continue  # (a merged sibling product's weight is an as_strided view: wide, left to cuBLAS)
         if (on_cuda_only and not weight.is_cuda) or (torch.is_grad_enabled() and weight.requires_grad):
             continue  # (gradients: the operator has no backward, inference only as siblings.merge)
-        rows = 1
-        for size in value.shape[:-1]:
-            rows = rows * size
+        rows = _rows(value)
         if settings(rows if isinstance(rows, int) else 1, *weight.shape) is None:
             continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.minibatch.skinny_linear.default, (x, w))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, torch.ops.minibatch.skinny_linear.default, (x, w))
         routed += 1
-    if routed:
-        gm.graph.lint()
-        gm.recompile()
-    return routed
+    return _recompiled(gm, routed)
 
 
 #: Whether the backend also hands an MLP's activation to the down product's kernel (`fuse_activation`):
@@ -255,7 +246,7 @@ def fuse_activation(gm: torch.fx.GraphModule, example_inputs) -> int:
     and `settings` gives the product to the kernel. Returns how many calls it fused."""
     import operator
 
-    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    real = _placeholders(gm, example_inputs)
     silu = (torch.nn.functional.silu, torch._C._nn.silu)
     fused = 0
     for node in list(gm.graph.nodes):
@@ -275,21 +266,13 @@ def fuse_activation(gm: torch.fx.GraphModule, example_inputs) -> int:
         if not _same_shape(gate, up):
             continue  # (a broadcasting product, or shapes the graph does not tell: not the kernel's)
         value = node.meta.get("example_value")
-        rows = value.numel() // max(value.shape[-1], 1) if isinstance(value, torch.Tensor) else None
+        rows = _rows(value) if isinstance(value, torch.Tensor) else None
         w = real.get(weight)
         if not isinstance(rows, int) or not isinstance(w, torch.Tensor) or settings(rows, *w.shape) is None:
             continue  # (a symbolic or larger row count: its fallback would round in bf16 twice, not once)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.minibatch.skinny_gated_linear.default, (gate, up, weight))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        for dead in (node, x, act):
-            gm.graph.erase_node(dead)
+        _replace(gm, node, torch.ops.minibatch.skinny_gated_linear.default, (gate, up, weight), x, act)
         fused += 1
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
-    return fused
+    return _recompiled(gm, fused)
 
 
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -300,3 +283,33 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
         return values[0].shape == values[1].shape
     narrow = all(n.op == "call_function" and n.target is torch.narrow and len(n.args) == 4 for n in (a, b))
     return narrow and a.args[0] is b.args[0] and a.args[1] == b.args[1] and a.args[3] == b.args[3]
+
+
+def _placeholders(gm: torch.fx.GraphModule, example_inputs) -> dict:
+    """The graph's inputs (placeholder nodes) -> the tensors torch.compile passed for them."""
+    return dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+
+
+def _rows(value: torch.Tensor):
+    """The rows of a [..., K] value: the product of its leading sizes (an int, or symbolic)."""
+    rows = 1
+    for size in value.shape[:-1]:
+        rows = rows * size
+    return rows
+
+
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple, *dead: torch.fx.Node) -> None:
+    """`node` becomes a call of `op` on `args` (with its metadata); it and the `dead` nodes leave the graph."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    for gone in (node, *dead):
+        gm.graph.erase_node(gone)
+
+
+def _recompiled(gm: torch.fx.GraphModule, changed: int) -> int:
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
