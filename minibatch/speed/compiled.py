@@ -106,6 +106,12 @@ class CompiledStep:
         activation along (skinny.fuse_activation, where skinny.GATED is on)."""
         return self._backend().gated
 
+    @property
+    def argmaxes(self) -> list[int]:
+        """Per compile (of any CompiledStep with these options): argmax calls over a vocabulary computed in
+        two steps (wide_argmax.py)."""
+        return self._backend().argmaxes
+
     def _backend(self):
         from .siblings import backend
 

@@ -35,6 +35,7 @@ from collections import defaultdict
 
 import torch
 
+from . import wide_argmax
 from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
 
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
@@ -175,14 +176,16 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 
 class _Backend:
-    """`merge` (with `merging`), then skinny.route (with `skinny`), then Inductor with the options of
-    torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed` and `gated`:
+    """`merge` (with `merging`), then skinny.route (with `skinny`), then wide_argmax.split (with its
+    ENABLED), then Inductor with the options of torch.compile's `mode` and the config `patches` ((name,
+    value) pairs). `merged`, `routed` and `gated`:
     per compile, how many linear calls went into a sibling's, how many to the skinny kernel, and how many
-    of those took their activation along (skinny.fuse_activation, with skinny.GATED)."""
+    of those took their activation along (skinny.fuse_activation, with skinny.GATED); `argmaxes`: how many
+    argmax calls over a vocabulary became two steps (wide_argmax.py)."""
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
-        self.merged, self.routed, self.gated = [], [], []
+        self.merged, self.routed, self.gated, self.argmaxes = [], [], [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         if self.merging:
@@ -192,6 +195,7 @@ class _Backend:
 
             self.routed.append(skinny.route(gm, example_inputs))
             self.gated.append(skinny.fuse_activation(gm, example_inputs) if skinny.GATED else 0)
+        self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 

@@ -27,7 +27,8 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
 `inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
-skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel.
+skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
+the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -56,7 +57,7 @@ from minibatch.core.requests import Request, SamplingParams  # noqa: E402
 from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
-from minibatch.speed import early, skinny  # noqa: E402
+from minibatch.speed import early, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -76,7 +77,8 @@ def parse_setting(text: str) -> tuple:
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
     """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
-    widest=ROWS:COLUMNS/... (skinny.WIDEST); every other name is Inductor config."""
+    widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
+    wide_argmax.ENABLED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {}
@@ -84,6 +86,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(early, "ENABLED")] = bool(inductor.pop("early"))
     if "gated" in inductor:
         modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
+    if "argmax" in inductor:
+        modules[(wide_argmax, "ENABLED")] = bool(inductor.pop("argmax"))
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -189,7 +193,8 @@ def main() -> None:
                          "LABEL (e.g. late:triton.enable_pdl=0,early=0 combo:combo_kernels=1); early=0 launches our "
                          "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
-                         "skinny.GATED (the MLP's activation computed in the down product's kernel)")
+                         "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
+                         "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -240,6 +245,7 @@ def main() -> None:
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
                         row[name]["gated"] = compiled.gated[-1] if compiled.gated else 0
+                        row[name]["argmaxes"] = compiled.argmaxes[-1] if compiled.argmaxes else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
