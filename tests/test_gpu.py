@@ -128,7 +128,8 @@ def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
     """Programmatic dependent launch (speed/early.py: Inductor's triton.enable_pdl, and our kernels inside
     the compiled step's calls): each kernel may start before the one it reads from has finished, and must
     wait for it before reading. A missing wait would read half-written activations or keys; the tokens
-    must be the eager ones (float32), sync and async."""
+    must be the eager ones (float32), sync and async. (The default step also combines small kernels,
+    compiled.COMBO: the same tokens are asked of it.)"""
     from minibatch.speed import early, skinny
 
     if not early.has_pdl(torch.device("cuda")):
@@ -144,8 +145,11 @@ def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     kw = dict(max_new_tokens=24, max_batch_size=4, max_batch_tokens=256)
     eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    from minibatch.speed.compiled import COMBO
+
     step = CompiledStep(model)
-    assert step.inductor == {"triton.enable_pdl": True}  # (the default on such a GPU)
+    assert step.inductor == {"triton.enable_pdl": True, **COMBO}  # (the default on such a GPU, static rows)
+    assert CompiledStep(model, dynamic_rows=True).inductor == {"triton.enable_pdl": True}
     with minibatch.Engine(model) as engine:
         engine._compiled = step
         assert engine.generate(work, mode="sync", compile=True, **kw) == eager

@@ -20,6 +20,13 @@ from . import early
 from .compat import mark_dynamic, raise_recompile_limit
 from ..core.device import resident
 
+#: Inductor config of a compiled step with static rows on a GPU: combo kernels put independent small kernels
+#: of a graph (q's and k's norm and rotary embedding, for one) into one launch, and benchmark_combo_kernel
+#: keeps a combination only where it times faster than its parts (without that, a combined reduction took
+#: 14-17 us at 4-8 rows of the 0.6B shape, against 4 us for its parts). Compiles take longer (the timing).
+#: Not with dynamic rows: never timed there. BENCHMARKS.md, small models.
+COMBO = {"combo_kernels": True, "benchmark_combo_kernel": True}
+
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)
 ROW_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "logits_indices", "temperature", "top_k",
               "top_p", "seed", "counter")
@@ -49,7 +56,9 @@ class CompiledStep:
     output and MLP down projections) run on skinny.py's kernel instead of cuBLAS's, which leaves most of
     the GPU idle on them (BENCHMARKS.md, small models); the same caveat on bf16 bits holds. On Hopper and
     later, the step's kernels launch early (early.py: Inductor's, and ours inside its calls; `inductor`
-    adds or overrides Inductor config): the arithmetic is the same, so are the bits.
+    adds or overrides Inductor config): the arithmetic is the same, so are the bits. With static rows on
+    a GPU, Inductor also launches independent small kernels together where that times faster (COMBO), and
+    in every compiled step the argmax over the vocabulary runs in two steps (wide_argmax.py, same token).
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row
@@ -83,8 +92,10 @@ class CompiledStep:
 
             skinny = merge and model.device.type == "cuda" and kernel.available()
         self.skinny = skinny
-        # Inductor config on top of the mode's: by default its kernels launch early where the GPU allows (early.py)
-        self.inductor = {**early.inductor_options(model.device), **(inductor or {})}
+        # Inductor config on top of the mode's: by default its kernels launch early where the GPU allows (early.py),
+        # and, with static rows on a GPU, small independent kernels share launches (COMBO)
+        combo = COMBO if model.device.type == "cuda" and not dynamic_rows else {}
+        self.inductor = {**early.inductor_options(model.device), **combo, **(inductor or {})}
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)

@@ -20,8 +20,8 @@ at large batch x context most steps are prefill. Here every point is one decode 
 
 Paths: "default" is the engine's step as `generate` runs it (Triton decode attention where Triton is
 installed); with --compile also "compile", the step through step.CompiledStep (torch.compile, static
-shapes; coarser key buckets), with the seconds its first call took (compilation) beside it, and with
---skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
+shapes; coarser key buckets; Inductor's combined kernels, compiled.COMBO), with the seconds its first
+call took (compilation) beside it, and with --skinny-ab also "cublas", the same with every product on cuBLAS (the default compiled step runs
 products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with --unmerged also
 "unmerged", the same as "cublas" without one product for sibling projections (siblings.py), and with
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's

@@ -21,7 +21,8 @@
 #              projections, against the weight floor (experiments/skinny_mm_ab.py)
 #   small      small models (0.6B and 1B shapes): the compiled decode step with few-row products on
 #              speed/skinny.py's kernel against all on cuBLAS (floor_matrix.py --skinny-ab) and against
-#              kernels launched late (--variants late:...), and the 0.6B
+#              kernels launched late, without combined kernels and with the vocabulary's argmax as one
+#              reduction (--variants late:... separate:... one_argmax:...), and the 0.6B
 #              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
@@ -72,7 +73,8 @@ for s in $sections; do
             tail -5 "$out/$s/skinny_mm.log" ;;
     small) for m in qwen3-0.6b-shape llama3-1b-shape; do
              python3 scripts/gpu/floor_matrix.py "$out/$s/$m" --model $m --batches 1,4,8 --contexts 512 --compile \
-                 --skinny-ab --kernels --variants "late:triton.enable_pdl=0,early=0" > "$out/$s/floor_$m.log" 2>&1
+                 --skinny-ab --kernels --variants "late:triton.enable_pdl=0,early=0" \
+                 "separate:combo_kernels=0,benchmark_combo_kernel=0" "one_argmax:argmax=0" > "$out/$s/floor_$m.log" 2>&1
              tail -12 "$out/$s/floor_$m.log"
            done
            python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --model qwen3-0.6b-shape --rows 1,4,8 \
