@@ -255,17 +255,43 @@ def small_models_pdl() -> dict:
     return out
 
 
+def small_models_combo() -> dict:
+    """Small models' compiled decode step as it runs by default (Inductor's combo kernels where timed faster,
+    the vocabulary's argmax in two steps) against the same step without combo kernels (--variants
+    separate:...); and, from an earlier run of the same day, the argmax in two steps against one reduction
+    (--variants one_argmax:argmax=0); one H200."""
+    run = DATA / "runs/gpu_small_models_combo_2026-12-04/"
+    out = {}
+    for key, p in _small_model_points(run, {"compile": "combined", "separate": "separate"}, out):
+        if "separate" in p:
+            out[f"{key}_saved_ms"] = p["separate"]["ms"] - p["compile"]["ms"]
+            out[f"{key}_kernels_fewer"] = p["separate"]["kernels"]["kernels"] - p["compile"]["kernels"]["kernels"]
+    for p in json.loads((run / "2_argmax_combo_bench_qwen3-0.6b-shape.json").read_text())["points"]:
+        key = f"q06_b{p['batch']}"
+        out[f"{key}_argmax_saved_ms"] = p["one_argmax"]["ms"] - p["compile"]["ms"]
+        out[f"{key}_one_argmax_us"] = 1e3 * _kernel_ms(p["one_argmax"], "argmax")
+        out[f"{key}_two_step_argmax_us"] = 1e3 * (_kernel_ms(p["compile"], "_max_") + _kernel_ms(p["compile"], "argmax"))
+    return out
+
+
+def _kernel_ms(path: dict, part: str) -> float:
+    """ms per step of the kernels in a floor-matrix path's --kernels top list whose name holds `part`."""
+    return sum(ms for name, ms, _ in path["kernels"]["top"] if part in name and name.startswith("other:"))
+
+
 def _small_model_points(run: Path, paths: dict, out: dict):
-    """The 0.6B and 1B floor matrices of `run`: for each point, its floor, each path's ms and x floor (named
-    by `paths`) and the default compile's first-call seconds go into `out` under "q06_b1_..." keys; yields
-    (key prefix, point) for the rest."""
+    """The 0.6B and 1B floor matrices of `run` (floor_matrix_MODEL*.json: one run may have come back in
+    parts): for each point, its floor, each path's ms and x floor (named by `paths`, where the point has the
+    path) and the default compile's first-call seconds go into `out` under "q06_b1_..." keys; yields (key
+    prefix, point) for the rest."""
     for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-1b-shape", "l1b")):
-        for p in json.loads((run / f"floor_matrix_{model}.json").read_text())["points"]:
+        for p in (p for f in sorted(run.glob(f"floor_matrix_{model}*.json")) for p in json.loads(f.read_text())["points"]):
             key = f"{short}_b{p['batch']}"
             out[f"{key}_floor_ms"] = p["floor_ms"]
             for path, name in paths.items():
-                out[f"{key}_{name}_ms"] = p[path]["ms"]
-                out[f"{key}_{name}_x"] = p[path]["over_floor"]
+                if path in p:
+                    out[f"{key}_{name}_ms"] = p[path]["ms"]
+                    out[f"{key}_{name}_x"] = p[path]["over_floor"]
             out[f"{key}_compile_s"] = p["compile"]["first_call_s"]
             yield key, p
 
@@ -275,7 +301,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
-            "small_models_pdl": small_models_pdl}
+            "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -310,7 +336,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                             "figures/data/runs/gpu_small_models_skinny_2026-12-04/floor_matrix_llama3-1b-shape.json",
                             "figures/data/runs/gpu_small_models_skinny_2026-12-04/skinny_gemv_qwen3-0.6b-shape.json"],
            "small_models_pdl": ["figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_qwen3-0.6b-shape.json",
-                                "figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_llama3-1b-shape.json"]}
+                                "figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_llama3-1b-shape.json"],
+           "small_models_combo": [f"figures/data/runs/gpu_small_models_combo_2026-12-04/{f}.json" for f in (
+               "floor_matrix_qwen3-0.6b-shape", "floor_matrix_qwen3-0.6b-shape_b8", "floor_matrix_llama3-1b-shape",
+               "2_argmax_combo_bench_qwen3-0.6b-shape")]}
 
 
 def derive() -> dict:
