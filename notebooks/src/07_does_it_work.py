@@ -479,7 +479,89 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # the 0.6B step is still above 3x its floor. Inductor's "combo
 # kernels" (small kernels that do not depend on each other, launched as one) took 28 kernels off the
 # step and 0.03 ms at batch 1 (0.05 at batch 8), but with them the step at batch 4 took 1.50 ms against
-# 1.19-1.20 without, so they stay off.
+# 1.19-1.20 without, so they stayed off until Inductor could time each combination (next section).
+
+# %% [markdown]
+# ### One kernel that ran alone, and kernels that share a launch
+#
+# The profiler's list of a 0.6B step's kernels (`floor_matrix.py --kernels top`) held one kernel that took
+# 33 <!-- from figures/data/headline.json: small_models_combo.q06_b1_one_argmax_us --> microseconds, more than any ten of the others: the greedy
+# step's `argmax` over 151,936 logits. Inductor compiles it into one reduction with one program per row,
+# so at batch 1 a single program walks the whole vocabulary while the other 131 multiprocessors wait.
+# Cut each row into pieces and the same question has many programs: the largest value of every piece
+# and where it sits, then the first piece holding the largest of those. It is the same index, ties and
+# NaN included, because `max` and `argmax` both answer with the *first* position of the largest value:
+
+# %%
+from minibatch.speed import wide_argmax
+
+logits = torch.randint(-5, 5, (2, 151936), generator=torch.Generator().manual_seed(0)).float()  # many equal values
+logits[0, [17, 5000, 90000]] = 9.0  # the largest value three times, in three pieces
+logits[1, [151935, 1187]] = float("nan")  # NaN counts as the largest
+width = wide_argmax.piece_width(logits.shape[-1])
+print(f"pieces of {width}: {logits.shape[-1] // width} per row")
+print("argmax:   ", logits.argmax(dim=-1).tolist())
+print("two steps:", wide_argmax.two_step_argmax(logits, width).tolist())
+
+# %% [markdown]
+# `wide_argmax.split` is one more pass of the compiled step's backend: it rewrites every argmax over a
+# last dimension of 16,384 or more that a piece width between 1,024 and 8,192 divides (no padding, so no
+# copy of the logits).
+#
+# The second change is Inductor's own. Its *combo kernels* launch independent small kernels of a graph as
+# one (the q and k norms with their rotary embedding, for one), and with `benchmark_combo_kernel` it times
+# each combination against its parts and keeps only those that win. Without that timing, one combined
+# reduction took 14-17 microseconds where its parts took 4, which is why batch 4 got slower before. With it,
+# `CompiledStep` turns them on for static-row compiles on a GPU (`compiled.COMBO`). Both, on the H200, in one
+# process each (`floor_matrix.py --variants one_argmax:argmax=0` and
+# `separate:combo_kernels=0,benchmark_combo_kernel=0`):
+
+# %%
+COMBO = DATA + "runs/gpu_small_models_combo_2026-12-04/"
+steps = [p for f in ("", "_b8") for p in json.load(open(COMBO + f"floor_matrix_qwen3-0.6b-shape{f}.json"))["points"]]
+argmax_run = json.load(open(COMBO + "2_argmax_combo_bench_qwen3-0.6b-shape.json"))["points"]
+
+
+def argmax_us(path, part):
+    return 1e3 * sum(ms for name, ms, _ in path["kernels"]["top"] if part in name and name.startswith("other:"))
+
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+xs = range(len(steps))
+for i, (path, label) in enumerate((("separate", "each kernel its own launch"), ("compile", "combined where faster"))):
+    ax1.bar([x + 0.4 * i for x in xs], [p[path]["ms"] for p in steps], width=0.4, label=label)
+ax1.hlines([3 * p["floor_ms"] for p in steps], [x - 0.2 for x in xs], [x + 0.6 for x in xs], colors="black",
+           label="3x the floor")
+ax1.set_xticks([x + 0.2 for x in xs], [f"batch {p['batch']}" for p in steps])
+ax1.set_ylabel("ms per decode step")
+ax1.set_title("qwen3-0.6b-shape step, context 512 (H200)", fontsize=10)
+ax1.set_ylim(0, 1.25 * max(p["separate"]["ms"] for p in steps))
+ax1.legend(fontsize=7, loc="upper left", ncol=2)
+one = [argmax_us(p["one_argmax"], "argmax") for p in argmax_run]
+two = [argmax_us(p["compile"], "_max_") + argmax_us(p["compile"], "argmax") for p in argmax_run]
+for i, (values, label) in enumerate(((one, "one reduction"), (two, "two steps"))):
+    ax2.bar([x + 0.4 * i for x in range(len(argmax_run))], values, width=0.4, label=label)
+ax2.set_xticks([x + 0.2 for x in range(len(argmax_run))], [f"batch {p['batch']}" for p in argmax_run])
+ax2.set_ylabel("microseconds per step")
+ax2.set_title("the argmax over 151,936 logits", fontsize=10)
+ax2.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/07_small_model_combined_kernels_gpu.png", dpi=110)
+print(f"{'batch':>5} {'floor':>6} {'separate':>14} {'combined':>14} {'argmax: one':>12} {'two steps':>10}")
+for p, a, b in zip(steps, one, two):
+    print(f"{p['batch']:5d} {p['floor_ms']:6.2f} {p['separate']['ms']:7.2f} ({p['separate']['over_floor']:.2f}x)"
+          f" {p['compile']['ms']:7.2f} ({p['compile']['over_floor']:.2f}x) {a:9.1f} us {b:7.1f} us")
+
+# %% [markdown]
+# The argmax drops from 33 <!-- from figures/data/headline.json: small_models_combo.q06_b1_one_argmax_us --> to 4.6 <!-- from figures/data/headline.json: small_models_combo.q06_b1_two_step_argmax_us --> microseconds at batch 1 (0.03 <!-- from figures/data/headline.json: small_models_combo.q06_b1_argmax_saved_ms --> ms off the step), and the combined
+# launches take 28 <!-- from figures/data/headline.json: small_models_combo.q06_b1_kernels_fewer --> kernels and 0.05 <!-- from figures/data/headline.json: small_models_combo.q06_b1_saved_ms --> ms more off at batch 1. The step is now 3.17x <!-- from figures/data/headline.json: small_models_combo.q06_b1_combined_x -->, 3.37x <!-- from figures/data/headline.json: small_models_combo.q06_b4_combined_x --> and
+# 3.18x <!-- from figures/data/headline.json: small_models_combo.q06_b8_combined_x --> its floor at batches 1, 4 and 8: closer, still not 3x. Timing each combination has a price,
+# paid once per shape: the first call (compilation) took 39 <!-- from figures/data/headline.json: small_models_combo.q06_b1_compile_s --> s at batch 1 and 67 <!-- from figures/data/headline.json: small_models_combo.q06_b4_compile_s --> s at batch 4, against
+# about 30 without. What is left is spread thin: the merged q/k/v and gate/up products take about 5
+# microseconds each where their bytes would take 2-3, the attention and its combine step about 6 per layer
+# for a few kilobytes of keys, and a dozen norms, rotary embeddings and cache writes 1-2 each. Each is
+# a kernel that spends most of its life starting and finishing; fewer of them, each doing a whole layer's
+# share, is where the rest would come from.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
