@@ -74,15 +74,17 @@ def test_what_the_pass_leaves_alone():
         assert replaced == 0 and torch.equal(out, fn(x))
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
-                    reason="Inductor compiles C++ on a CPU")
-def test_the_backend_splits_the_argmax_of_a_step_and_can_leave_it(monkeypatch):
-    """Through siblings.backend and Inductor: the split argmax gives argmax's index; with ENABLED off the
-    backend keeps argmax as it is."""
-    x = rows_with_ties_and_nan()
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which(
+        "clang++")), reason="Inductor compiles C++ on a CPU")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_backend_splits_the_argmax_of_a_step_and_can_leave_it(monkeypatch, device):
+    """Through siblings.backend and Inductor (its C++ kernels on a CPU, Triton's on a GPU): the split argmax
+    gives argmax's index, ties and NaN included; with ENABLED off the backend keeps argmax as it is."""
+    x = rows_with_ties_and_nan().to(device)
     for enabled, count in ((True, 1), (False, 0)):
         monkeypatch.setattr(wide_argmax, "ENABLED", enabled)
-        backend = siblings.backend("cpu-argmax-test")
+        backend = siblings.backend(f"{device}-argmax-test")
         backend.mode = None
         torch._dynamo.reset()
         out = torch.compile(lambda t: t.float().argmax(dim=-1), backend=backend)(x)
