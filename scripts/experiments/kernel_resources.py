@@ -1,0 +1,139 @@
+"""Registers, spills and shared memory of our Triton kernels, compiled for a GPU on any machine (no GPU needed).
+
+    pip install triton        # (the CUDA builds of PyTorch bring it; the CPU ones do not)
+    python scripts/experiments/kernel_resources.py OUTDIR [--arch 90]
+
+The question: does a kernel hold so many registers (or so much shared memory) that an SM can keep only
+a few of its programs at once, so that a launch of a few hundred programs runs in several waves? Triton
+ships NVIDIA's assembler (ptxas) and cuobjdump, so a kernel compiles for a GPU target without the GPU:
+each kernel here is compiled at the settings a decode step launches it with, with the specialization
+Triton's launcher gives such a call (pointers and integer arguments divisible by 16 marked so, an
+integer equal to 1 made a constant; without the marks the decode kernel's addresses are not vectorized
+and it takes twice the registers), and cuobjdump reads the registers per thread and the stack (spills)
+from the cubin. Programs per SM: the fewest of what the registers, the shared memory and the warps
+allow (an H100/H200 SM: 65,536 registers, 227 KB of shared memory per block group, 64 warps, 32
+blocks). Writes OUTDIR/kernel_resources.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+try:
+    import triton
+    import triton.compiler as tc
+    from triton.backends.compiler import GPUTarget
+except ImportError:
+    raise SystemExit("kernel_resources.py compiles Triton kernels: pip install triton") from None
+from minibatch.model import triton_decode  # noqa: E402
+from minibatch.speed import skinny  # noqa: E402
+
+SM = {"registers": 65536, "shared": 227 * 1024, "warps": 64, "blocks": 32}
+INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr")
+FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
+
+
+def decode_settings(group: int, split: bool, pdl: bool) -> dict:
+    """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16)."""
+    return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
+                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64)
+
+
+def skinny_settings(rows: int, pdl: bool, gated: bool = False) -> dict:
+    """skinny.launch's constants for `rows` rows at the setting skinny.settings ships."""
+    s = skinny.settings(rows, 1024, 1024)
+    return dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], STAGES=s["stages"],
+                SPLIT=False, DOT=False, PDL=pdl, LINE=64, GATED=gated)
+
+
+def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
+    """(label, kernel, constants, integer arguments, warps, stages): launches a decode step makes, at context
+    512 (576 keys per row) with head_dim 128; the skinny product is a 0.6B attention output (1024 x 2048)."""
+    out = []
+    for group, heads, model in ((2, 16, "0.6B"), (4, 32, "8B")):
+        ints = dict(sq_r=128, sq_h=4 * 128, sk_s=8 * 128, sk_h=128, sv_s=8 * 128, sv_h=128, so_r=heads * 128, so_h=128,
+                    L=576, keys_per_split=64)
+        for pdl in (False, True):
+            out.append((f"decode attention, {model}, pdl={int(pdl)}", triton_decode._decode_kernel,
+                        decode_settings(group, True, pdl), ints, 4, 3))
+    out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
+                dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
+    for rows, pdl, gated in ((1, False, False), (1, True, False), (4, False, False), (4, True, False), (4, True, True)):
+        c = skinny_settings(rows, pdl, gated)
+        ints = dict(M=rows, N=1024, K=2048, pieces=2048 // c["BLOCK_K"], sxm=2048, s_up=2048, swn=2048, sym=1024)
+        label = f"skinny product, {rows} row{'s' * (rows > 1)}, pdl={int(pdl)}{', gated' if gated else ''}"
+        out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
+    return out
+
+
+def compile_for(fn, constants: dict, ints: dict, warps: int, stages: int, arch: int):
+    """The kernel compiled as Triton's launcher would for these values: an integer argument equal to 1
+    becomes a constant, one divisible by 16 (and every pointer) is marked so."""
+    names = fn.arg_names
+    constants = {**constants, **{k: v for k, v in ints.items() if v == 1}}
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = "*i64" if name in INDEX_POINTERS else "*fp32" if name in FLOAT32_POINTERS else "*bf16"
+        else:
+            signature[name] = "fp32" if name == "scale" else "i32"
+        if name.endswith("_ptr") or ints.get(name, 1) % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = tc.ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(kernel) -> dict:
+    """Registers per thread and stack bytes (spills) from the cubin, shared memory from Triton's metadata."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    return {"registers": int(usage["REG"]), "stack": int(usage["STACK"]), "shared": kernel.metadata.shared}
+
+
+def per_sm(r: dict, warps: int) -> dict:
+    """How many of the kernel's programs an SM holds, by each limit (registers allocated per warp, in
+    multiples of 256)."""
+    per_warp = -(-r["registers"] * 32 // 256) * 256
+    limits = {"registers": SM["registers"] // (per_warp * warps), "warps": SM["warps"] // warps, "blocks": SM["blocks"],
+              "shared": SM["shared"] // max(r["shared"], 1)}
+    return {"programs": min(limits.values()), "limited_by": min(limits, key=limits.get), **limits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    print(f"{'kernel':42} {'warps':>5} {'regs':>5} {'spill B':>7} {'shared B':>8} {'per SM':>6}  limited by")
+    for label, fn, constants, ints, warps, stages in kernels():
+        r = resources(compile_for(fn, constants, ints, warps, stages, args.arch))
+        fit = per_sm(r, warps)
+        rows.append({"kernel": label, "warps": warps, "stages": stages, "constants": constants, **r, "per_sm": fit})
+        print(f"{label:42} {warps:5d} {r['registers']:5d} {r['stack']:7d} {r['shared']:8d} {fit['programs']:6d}  "
+              f"{fit['limited_by']}", flush=True)
+    (out / "kernel_resources.json").write_text(json.dumps({"triton": triton.__version__, "arch": args.arch,
+                                                           "sm": SM, "kernels": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
