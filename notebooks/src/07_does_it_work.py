@@ -485,7 +485,7 @@ for name in ("qwen3-0.6b-shape", "llama3-1b-shape"):
 # ### One kernel that ran alone, and kernels that share a launch
 #
 # The profiler's list of a 0.6B step's kernels (`floor_matrix.py --kernels top`) held one kernel that took
-# 33 <!-- from figures/data/headline.json: small_models_combo.q06_b1_one_argmax_us --> microseconds, more than any ten of the others: the greedy
+# 33 <!-- from figures/data/headline.json: small_models_combo.q06_b1_one_argmax_us --> microseconds, longer than any other but the LM head's product: the greedy
 # step's `argmax` over 151,936 logits. Inductor compiles it into one reduction with one program per row,
 # so at batch 1 a single program walks the whole vocabulary while the other 131 multiprocessors wait.
 # Cut each row into pieces and the same question has many programs: the largest value of every piece
@@ -512,9 +512,9 @@ print("two steps:", wide_argmax.two_step_argmax(logits, width).tolist())
 # one (the q and k norms with their rotary embedding, for one), and with `benchmark_combo_kernel` it times
 # each combination against its parts and keeps only those that win. Without that timing, one combined
 # reduction took 14-17 microseconds where its parts took 4, which is why batch 4 got slower before. With it,
-# `CompiledStep` turns them on for static-row compiles on a GPU (`compiled.COMBO`). Both, on the H200, in one
-# process each (`floor_matrix.py --variants one_argmax:argmax=0` and
-# `separate:combo_kernels=0,benchmark_combo_kernel=0`):
+# `CompiledStep` turns them on for static-row compiles on a GPU (`compiled.COMBO`). Each change was timed on
+# the H200 against the same step without it, compiled in the same process (`floor_matrix.py --variants
+# one_argmax:argmax=0`, and `separate:combo_kernels=0,benchmark_combo_kernel=0`):
 
 # %%
 COMBO = DATA + "runs/gpu_small_models_combo_2026-12-04/"
