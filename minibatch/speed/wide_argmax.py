@@ -49,9 +49,8 @@ def two_step_argmax(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def _last_dim_argmax(node: torch.fx.Node) -> torch.fx.Node | None:
     """The input of an `argmax(x, dim=-1)` node (method or function, keepdim False), else None."""
-    if node.op == "call_method" and node.target == "argmax":
-        pass
-    elif not (node.op == "call_function" and node.target in (torch.argmax, torch.Tensor.argmax)):
+    method = node.op == "call_method" and node.target == "argmax"
+    if not (method or (node.op == "call_function" and node.target in (torch.argmax, torch.Tensor.argmax))):
         return None
     x, *rest = node.args
     dim = rest[0] if rest else node.kwargs.get("dim")
@@ -64,22 +63,18 @@ def _last_dim_argmax(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def split(gm: torch.fx.GraphModule, example_inputs=None) -> int:
     """Replace each wide last-dimension `argmax` by `two_step_argmax`; returns how many it replaced."""
+    from .skinny import _recompiled, _replace  # (the graph edits skinny.py's passes make; imported late as
+    # siblings.py imports skinny.py, which imports Triton where it is installed)
+
     replaced = 0
     for node in list(gm.graph.nodes):
-        x = _last_dim_argmax(node) if node.op in ("call_method", "call_function") else None
+        x = _last_dim_argmax(node)
         if x is None:
             continue
         size = x.meta["example_value"].shape[-1]
         width = piece_width(size) if isinstance(size, int) and size >= SHORTEST else None
         if width is None:
             continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(two_step_argmax, (x, width))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, two_step_argmax, (x, width))
         replaced += 1
-    if replaced:
-        gm.graph.lint()
-        gm.recompile()
-    return replaced
+    return _recompiled(gm, replaced)
