@@ -65,6 +65,23 @@ def test_kernel_matches_the_einsum_reference(ctx_lens, window, splits):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ctx_lens,window,splits", [([150, 7, 260], None, 3), ([300], 40, 5), ([70, 200], None, None)])
+def test_folded_combine_gives_the_same_output(ctx_lens, window, splits, monkeypatch):
+    """FOLD: the last program of each (row, kv head) combines the splits instead of a second kernel. Same
+    output bit for bit (the same arithmetic in the same order), and every count is back at zero after each
+    call (a second call, as a CUDA graph's next replay makes, sees the same)."""
+    cache, batch = _decode_batch(ctx_lens)
+    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
+    args = (query, cache.keys[0], cache.values[0], batch, window, None, splits)
+    want = triton_decode.decode_attention(*args)
+    monkeypatch.setattr(triton_decode, "FOLD", True)
+    for _ in range(2):
+        got = triton_decode.decode_attention(*args)
+        assert torch.equal(got, want)
+        counts = [c for key, c in triton_decode._COUNTS.items() if key[0] == query.device]
+        assert counts and all(int(c.abs().sum()) == 0 for c in counts)
+
+
 def test_split_count():
     cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
     assert triton_decode.num_splits(128, 8, 2048, cpu) == 1  # 1024 programs already

@@ -244,6 +244,42 @@ def test_fuse_activation_finds_every_mlp_of_a_merged_transformers_model():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_route_takes_merged_sibling_products_where_they_are_narrow_enough(monkeypatch):
+    """A merged q/k/v or gate/up product's weight is an `as_strided` view of the first sibling's (siblings.merge),
+    not a graph input: route reads its shape through the view, so it goes to the operator when `WIDEST` lets
+    its width through, and stays on F.linear when not; the logits are unchanged either way."""
+    import minibatch
+    from minibatch.speed import siblings
+
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    ids = torch.randint(0, model.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+    mlp = model.hf.model.layers[0].mlp
+    merged_widths = (2 * mlp.gate_proj.out_features, model.hf.model.layers[0].self_attn.q_proj.out_features
+                     + 2 * model.hf.model.layers[0].self_attn.k_proj.out_features)
+
+    def forward(x):
+        return model.hf(input_ids=x, use_cache=False).logits
+
+    with torch.no_grad():
+        want = forward(ids)
+    for widest, per_layer in ((max(merged_widths), 4), (min(merged_widths) - 1, 2)):
+        # (o and down are narrower than either merged product in this model: they always go)
+        monkeypatch.setattr(skinny, "WIDEST", {1: widest})
+        seen = []
+
+        def backend(gm, example_inputs):
+            siblings.merge(gm, example_inputs)
+            seen.append(skinny.route(gm, example_inputs, on_cuda_only=False))
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(forward, backend=backend, dynamic=False)(ids)
+        assert seen == [per_layer * model.num_layers], widest
+        assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_early_launch_only_where_the_gpu_has_it(monkeypatch):
     """Programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or more, and never runs
     under Triton's CPU interpreter (which has no grid-dependency instructions, whichever way

@@ -220,10 +220,10 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
         if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
             continue  # (a bias: not the kernel's)
         x, w = node.args[:2]
-        weight = real.get(w)
+        weight = _weight(w, real)
         value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         if not isinstance(weight, torch.Tensor) or not isinstance(value, torch.Tensor) or weight.dim() != 2:
-            continue  # (a merged sibling product's weight is an as_strided view: wide, left to cuBLAS)
+            continue
         if (on_cuda_only and not weight.is_cuda) or (torch.is_grad_enabled() and weight.requires_grad):
             continue  # (gradients: the operator has no backward, inference only as siblings.merge)
         rows = _rows(value)
@@ -283,6 +283,17 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
         return values[0].shape == values[1].shape
     narrow = all(n.op == "call_function" and n.target is torch.narrow and len(n.args) == 4 for n in (a, b))
     return narrow and a.args[0] is b.args[0] and a.args[1] == b.args[1] and a.args[3] == b.args[3]
+
+
+def _weight(w, real: dict):
+    """The tensor a `linear` call's weight argument stands for: a graph input's, or the stacked weight of
+    merged siblings (siblings.merge: `as_strided` over the first sibling's weight, offset 0), else None."""
+    if w in real:
+        return real[w]
+    if (isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target is torch.as_strided
+            and len(w.args) == 4 and isinstance(real.get(w.args[0]), torch.Tensor)):
+        return torch.as_strided(real[w.args[0]], *w.args[1:])
+    return None
 
 
 def _placeholders(gm: torch.fx.GraphModule, example_inputs) -> dict:

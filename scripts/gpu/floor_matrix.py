@@ -28,7 +28,8 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 `inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
 skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
-the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default).
+the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with fold=1 the
+decode attention's splits combined by the attention kernel's own last program (triton_decode.FOLD).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -57,6 +58,7 @@ from minibatch.core.requests import Request, SamplingParams  # noqa: E402
 from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
+from minibatch.model import triton_decode  # noqa: E402
 from minibatch.speed import early, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
@@ -78,7 +80,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
-    wide_argmax.ENABLED); every other name is Inductor config."""
+    wide_argmax.ENABLED), fold=0/1 (the decode attention's splits combined by its own last program:
+    triton_decode.FOLD); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {}
@@ -88,6 +91,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
     if "argmax" in inductor:
         modules[(wide_argmax, "ENABLED")] = bool(inductor.pop("argmax"))
+    if "fold" in inductor:
+        modules[(triton_decode, "FOLD")] = bool(inductor.pop("fold"))
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -194,7 +199,8 @@ def main() -> None:
                          "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
                          "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
-                         "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py)")
+                         "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); fold=1 combines the "
+                         "decode attention's splits in its own last program (triton_decode.FOLD)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
