@@ -50,6 +50,33 @@ def shared_fds() -> int:
     return n
 
 
+def shared_holders() -> list[str]:
+    """For a failure message: each live shared-memory tensor, and what refers to it (two levels), so that
+    whatever kept it past the interrupt can be named."""
+    def name(o):
+        if isinstance(o, dict):
+            return f"dict({', '.join(map(str, list(o)[:6]))})"
+        if type(o).__name__ == "frame":
+            return f"frame {o.f_code.co_name} ({o.f_code.co_filename.rsplit('/', 1)[-1]}:{o.f_lineno})"
+        return type(o).__qualname__
+
+    out = []
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    ours = {id(tensors)}
+    for t in tensors:
+        try:
+            shared = t.is_shared() and t.device.type == "cpu"
+        except RuntimeError:
+            continue
+        if shared:
+            refs = [r for r in gc.get_referrers(t) if id(r) not in ours]
+            ours.add(id(refs))
+            out.append(f"{tuple(t.shape)} <- " + "; ".join(
+                f"{name(r)} <- [{', '.join(name(rr) for rr in gc.get_referrers(r) if id(rr) not in ours)}]"
+                for r in refs[:4]))
+    return out
+
+
 def leftovers(collect: bool = True) -> dict:
     if collect:  # a device dropped by an interrupt goes with the next garbage collection
         gc.collect()
@@ -98,7 +125,8 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
             returns.append(raised - fired[0])
             if raised - fired[0] >= 1.0:
                 slow.append(raised - fired[0])
-        assert leftovers(collect=False) == before or leftovers() == before, f"after interrupt {i}"
+        assert leftovers(collect=False) == before or leftovers() == before, \
+            f"after interrupt {i} (delays {delays}, mode {mode}): {shared_holders()}"
     print(f"\n{backend}: {interrupted} of {N} runs interrupted ({N // 2} twice); slowest return "
           f"{max(returns, default=0):.3f} s, median {sorted(returns)[len(returns) // 2] if returns else 0:.3f} s")
     assert not slow, f"{len(slow)} of {interrupted} interrupted runs took over 1 s to return: {slow}"

@@ -29,6 +29,17 @@ def test_the_kernel_is_chosen_for_few_rows_and_narrow_outputs_only():
     assert skinny.settings(0, 1024, 1024) is None
 
 
+def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypatch):
+    """With WIDEST widened (an experiment's rule), products of more than 4 rows, and of 2-4 rows wider than
+    2048 columns, run on tensor cores; one row, and the narrow products of 2-4 rows, keep the shipped setting."""
+    monkeypatch.setattr(skinny, "WIDEST", {1: 8192, 8: 8192})
+    shipped = dict(block_n=4, block_k=1024, warps=4, stages=3)
+    assert skinny.settings(1, 4096, 1024) == shipped and skinny.settings(4, 1024, 3072) == shipped
+    for rows, n in ((4, 4096), (2, 6144), (8, 1024)):
+        assert skinny.settings(rows, n, 1024) == dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+    assert skinny.settings(9, 1024, 1024) is None
+
+
 def test_the_operator_off_cuda_is_linear():
     """skinny_linear on the CPU: F.linear's result, for inputs with leading dimensions too."""
     g = torch.Generator().manual_seed(0)
@@ -143,7 +154,8 @@ def test_the_backend_runs_the_pass_and_inductor_compiles_the_operator():
     dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
     dict(block_n=16, block_k=16, warps=4, stages=2, split=3, dot=True),
     skinny.settings(1, 1024, 1024),
-], ids=["plain", "split2", "split4", "dot", "dot-split3", "shipped"])
+    {**skinny.settings(1, 1024, 1024), "block_n": 32, "block_k": 256, "stages": 4, "dot": True},
+], ids=["plain", "split2", "split4", "dot", "dot-split3", "shipped", "wide-rule"])
 def test_the_kernel_computes_the_product(rows, setting):
     """launch against x @ w.T (float32) with K not a multiple of the piece, N not of the columns per
     program, rows of x and w strided wider than K; with K splits the same bits on every call (the

@@ -149,13 +149,19 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     one row and slower at 4 rows; with 8 rows cuBLAS is within 9% of the kernel's best setting
     everywhere. So (`WIDEST`): one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
     timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
-    pieces of 1024, 4 warps, 3 pipeline stages (K in pieces of 256 above 4 rows, for experiments that
-    widen `WIDEST`: a [rows, 4, 1024] product of plain multiply-adds would not fit in registers).
+    pieces of 1024, 4 warps, 3 pipeline stages.
+
+    For experiments that widen `WIDEST` (floor_matrix.py --variants widest=...), the products it then
+    takes get the setting that timed best for them alone: more than 4 rows, or 2-4 rows on a product
+    wider than 2048 columns (the 0.6B model's merged q/k/v and gate/up), run on tensor cores, 32 columns
+    per program, K in pieces of 256, 4 pipeline stages (plain multiply-adds took 1.2-2x longer there).
     """
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
     if n > widest:
         return None
-    return dict(block_n=4, block_k=1024 if rows <= 4 else 256, warps=4, stages=3)
+    if rows > 4 or (rows > 1 and n > 2048):
+        return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+    return dict(block_n=4, block_k=1024, warps=4, stages=3)
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the
