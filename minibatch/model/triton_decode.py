@@ -232,6 +232,15 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor, rows: int, window: int,
                  scaling: float, splits: int) -> torch.Tensor:
     """The kernels' launch (splits 0: `num_splits` decides). Output [1, rows, H, D], a new tensor."""
+    return launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, splits)
+
+
+def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows: int, window: int, scaling: float,
+           splits: int, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3, fold: bool | None = None,
+           pdl: bool | None = None) -> torch.Tensor:
+    """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
+    step, warps, pipeline stages, split count (0: `num_splits`), `fold` (None: FOLD), `pdl` (None: early
+    inside compiled steps on GPUs that have it)."""
     heads, dim = query.shape[1], query.shape[3]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -240,25 +249,25 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
     o = out[0]
-    pdl = wanted() and has_pdl(query.device)  # (inside compiled steps: speed/early.py)
+    pdl = (wanted() if pdl is None else pdl) and has_pdl(query.device)  # (inside compiled steps: speed/early.py)
     early = {"launch_pdl": True} if pdl else {}
     width = kv_indices.shape[0] // rows
     if splits == 0:
         splits = num_splits(rows, kv_heads, width, query.device)
-    keys_per_split = -(-width // splits // BLOCK_N) * BLOCK_N if splits > 1 else width  # whole chunks
+    keys_per_split = -(-width // splits // block_n) * block_n if splits > 1 else width  # whole chunks
     splits = -(-width // keys_per_split) if splits > 1 else 1  # none left empty
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
-    fold = FOLD and splits > 1
+    fold = (FOLD if fold is None else fold) and splits > 1
     count = _counts(query.device, rows * kv_heads) if fold else o
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial, count,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), width, keys_per_split, scaling,
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=BLOCK_N,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
         LINE=min(dim, 128 // k_cache.element_size()), FOLD=fold, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        **early,
+        num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1 and not fold:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,
