@@ -30,11 +30,14 @@ small kernel combines them:
     M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
-than one BLOCK_N chunk of keys. An experiment, off (`FOLD`): no second kernel; each program counts
-itself done on a per-(row, head) counter, and the one that finds it is the last combines the partials
-(in split order, so the result does not depend on which program that is). On Hopper and later, inside compiled steps, both kernels are launched
+than one BLOCK_N chunk of keys. On Hopper and later, inside compiled steps, both kernels are launched
 early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
 kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
+
+An experiment, off until timed on a GPU (`FOLD`): no second kernel. Each program adds one to a count
+of its (row, kv head) once its partials are stored, and the one that finds itself last combines them,
+in split order, so the result does not depend on which program that is (the same bits as the second
+kernel's).
 """
 
 from __future__ import annotations
