@@ -40,6 +40,13 @@ def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypa
     assert skinny.settings(9, 1024, 1024) is None
 
 
+def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
+    """ONE_PIECE: K of 1024 or 2048 in one piece (what timed faster alone), larger K in pieces of 1024."""
+    assert skinny.settings(1, 1024, 2048)["block_k"] == 1024
+    monkeypatch.setattr(skinny, "ONE_PIECE", True)
+    assert [skinny.settings(r, 1024, k)["block_k"] for r in (1, 4) for k in (1024, 2048, 3072)] == [1024, 2048, 1024] * 2
+
+
 def test_the_operator_off_cuda_is_linear():
     """skinny_linear on the CPU: F.linear's result, for inputs with leading dimensions too."""
     g = torch.Generator().manual_seed(0)

@@ -161,7 +161,15 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return None
     if rows > 4 or (rows > 1 and n > 2048):
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
-    return dict(block_n=4, block_k=1024, warps=4, stages=3)
+    whole = ONE_PIECE and k in (1024, 2048)
+    return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
+
+
+#: An experiment, off until timed in a step: K in one piece where it is 2048 (the 0.6B attention output).
+#: Alone (skinny_gemv_ab.py, 28 copies in a graph, no early launch) that product took 3.29 us against 3.72
+#: at one row, 4.42 against 4.89 at four; at K = 3072 (two pieces of 2048, half of the second masked)
+#: it was slower, so larger K keeps pieces of 1024.
+ONE_PIECE = False
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

@@ -29,7 +29,8 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
 skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
 the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with fold=1 the
-decode attention's splits combined by the attention kernel's own last program (triton_decode.FOLD).
+decode attention's splits combined by the attention kernel's own last program (triton_decode.FOLD), with
+one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -81,7 +82,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
     wide_argmax.ENABLED), fold=0/1 (the decode attention's splits combined by its own last program:
-    triton_decode.FOLD); every other name is Inductor config."""
+    triton_decode.FOLD), one_piece=0/1 (skinny.ONE_PIECE); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {}
@@ -91,6 +92,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
     if "argmax" in inductor:
         modules[(wide_argmax, "ENABLED")] = bool(inductor.pop("argmax"))
+    if "one_piece" in inductor:
+        modules[(skinny, "ONE_PIECE")] = bool(inductor.pop("one_piece"))
     if "fold" in inductor:
         modules[(triton_decode, "FOLD")] = bool(inductor.pop("fold"))
     if "widest" in inductor:
@@ -200,7 +203,8 @@ def main() -> None:
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
                          "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); fold=1 combines the "
-                         "decode attention's splits in its own last program (triton_decode.FOLD)")
+                         "decode attention's splits in its own last program (triton_decode.FOLD); one_piece=1 sets "
+                         "skinny.ONE_PIECE")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
