@@ -82,6 +82,28 @@ def test_folded_combine_gives_the_same_output(ctx_lens, window, splits, monkeypa
         assert counts and all(int(c.abs().sum()) == 0 for c in counts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_folded_combine_in_a_cuda_graph_replays_the_same(monkeypatch):
+    """FOLD inside a captured CUDA graph (how compiled steps run it): every replay gives the two-kernel
+    path's output, because the last program of each (row, head) leaves its count at zero for the next."""
+    cache, batch = _decode_batch([150, 7, 260])
+    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
+    args = (query, cache.keys[0], cache.values[0], batch, None, None, 3)
+    want = triton_decode.decode_attention(*args)
+    monkeypatch.setattr(triton_decode, "FOLD", True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        triton_decode.decode_attention(*args)  # (compiles the kernel, makes the counts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = triton_decode.decode_attention(*args)
+    for _ in range(3):
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
 def test_split_count():
     cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
     assert triton_decode.num_splits(128, 8, 2048, cpu) == 1  # 1024 programs already
