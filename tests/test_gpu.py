@@ -91,6 +91,23 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
+def test_the_carry_over_as_one_compiled_kernel_gives_the_same_tokens(monkeypatch):
+    """compiled.CARRY_OVER: every step's carry-over through a compiled kernel of its own (inside the steps'
+    CUDA graphs); async runs carry a token over in every decode step: the eager tokens, sync and async."""
+    from minibatch.speed import compiled
+
+    monkeypatch.setattr(compiled, "CARRY_OVER", True)
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(8)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="sync", compile=True, **kw) == eager
+        assert engine.generate(work, mode="async", compile=True, **kw) == eager
+        assert engine._compiled.carry_over is not None
+
+
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
     model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens
@@ -111,9 +128,10 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
         assert engine.generate(work, mode="sync", compile=True, **kw) == eager
         assert engine._compiled.skinny
         assert engine.generate(work, mode="async", compile=True, **kw) == eager
-        # per compile: o and down (merged q/k/v and gate/up go to cuBLAS), and the LM head (512 columns)
+        # per compile: every product of a layer (merged q/k/v and gate/up are 128 and 256 columns wide in this
+        # model: narrow enough for the kernel's rule too), and the LM head (512 columns)
         routed = engine._compiled.routed[before:]
-        assert routed and set(routed) == {2 * model.num_layers + 1}
+        assert routed and set(routed) == {4 * model.num_layers + 1}
     # the kernel ran (in the warm-up and capture calls; a graph's replays launch it without Python)
     assert launches and all(s == skinny.settings(1, 64, 64) for s in launches)
     launches.clear()

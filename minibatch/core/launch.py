@@ -23,7 +23,9 @@ def forward_step(model, cache, args: StepArgs, compiled=None) -> None:
 
     Fixed buffers in, fixed buffers out, no host sync: the same call can be captured as a CUDA graph.
     """
-    apply_carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
+    # (a compiled step may bring the carry-over as one kernel of its own: speed/compiled.py, same ids)
+    carry_over = getattr(compiled, "carry_over", None) or apply_carry_over
+    carry_over(args.patched_ids, args.input_ids, args.source, args.carry)
     batch = args.batch
     if batch.logprobs:  # the logits are needed beside the tokens (sampling.logprobs)
         tokens = logprobs(model.logits, batch, cache, args.lp_values, args.lp_ids)

@@ -27,6 +27,22 @@ from ..core.device import resident
 #: Not with dynamic rows: never timed there. BENCHMARKS.md, small models.
 COMBO = {"combo_kernels": True, "benchmark_combo_kernel": True}
 
+#: An experiment, off until timed on a GPU: each step's carry-over (core/carry_over.py) as one Inductor kernel
+#: (`carry_over_sum`) instead of the seven eager kernels its four ops make inside a step's graph (two fills, a
+#: compare, a where, a clamp, an index_add, an add: 1.1-1.8 us each at the 0.6B shape's batch 1, where the
+#: whole step is ~0.95 ms; BENCHMARKS.md, small models). Same ids, bit for bit (integers).
+CARRY_OVER = False
+
+
+def carry_over_sum(out_ids: torch.Tensor, input_ids: torch.Tensor, prev_output: torch.Tensor,
+                   mask: torch.Tensor) -> None:
+    """core.carry_over.apply_carry_over written as one reduction, which Inductor makes one kernel:
+    out_ids[t] = input_ids[t] + the sum of the carried tokens whose mask entry is t (one token or none)."""
+    tokens = prev_output[: mask.shape[0]]
+    hits = mask[None, :] == torch.arange(input_ids.shape[0], device=mask.device)[:, None]  # [T, R]
+    out_ids.copy_(input_ids + torch.where(hits, tokens[None, :], torch.zeros_like(tokens)[None, :]).sum(1))
+
+
 # a decode batch's tensors with one entry per row (in the decode layout a row is one token)
 ROW_FIELDS = ("input_ids", "positions", "q_seq", "cell_mapping", "logits_indices", "temperature", "top_k",
               "top_p", "seed", "counter")
@@ -99,6 +115,7 @@ class CompiledStep:
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
+        self._carry = None
 
     @property
     def merged(self) -> list[int]:
@@ -122,6 +139,16 @@ class CompiledStep:
         """Per compile (of any CompiledStep with these options): argmax calls over a vocabulary computed in
         two steps (wide_argmax.py)."""
         return self._backend().argmaxes
+
+    @property
+    def carry_over(self):
+        """The step's carry-over as one compiled kernel (CARRY_OVER, on CUDA; one compile for every size), which
+        forward_step then runs instead of the eager ops; else None."""
+        if not (CARRY_OVER and self.model.device.type == "cuda"):
+            return None
+        if self._carry is None:
+            self._carry = torch.compile(carry_over_sum, dynamic=True, options=dict(self.inductor))
+        return self._carry
 
     def _backend(self):
         from .siblings import backend

@@ -30,7 +30,8 @@ programmatic dependent launch (their default where the GPU has it), with widest=
 skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
 the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with fold=1 the
 decode attention's splits combined by the attention kernel's own last program (triton_decode.FOLD), with
-one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE).
+one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
+carry-over as one compiled kernel (compiled.CARRY_OVER).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -60,7 +61,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import triton_decode  # noqa: E402
-from minibatch.speed import early, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -82,7 +83,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
     wide_argmax.ENABLED), fold=0/1 (the decode attention's splits combined by its own last program:
-    triton_decode.FOLD), one_piece=0/1 (skinny.ONE_PIECE); every other name is Inductor config."""
+    triton_decode.FOLD), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
+    kernel: compiled.CARRY_OVER); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {}
@@ -92,6 +94,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
     if "argmax" in inductor:
         modules[(wide_argmax, "ENABLED")] = bool(inductor.pop("argmax"))
+    if "carry" in inductor:
+        modules[(compiled_module, "CARRY_OVER")] = bool(inductor.pop("carry"))
     if "one_piece" in inductor:
         modules[(skinny, "ONE_PIECE")] = bool(inductor.pop("one_piece"))
     if "fold" in inductor:
@@ -204,7 +208,7 @@ def main() -> None:
                          "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); fold=1 combines the "
                          "decode attention's splits in its own last program (triton_decode.FOLD); one_piece=1 sets "
-                         "skinny.ONE_PIECE")
+                         "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
