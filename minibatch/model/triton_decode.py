@@ -128,20 +128,12 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
-            n_split = tl.num_programs(2)
-            at = (r * tl.num_programs(1) * G + heads) * n_split + split
+            at = (r * tl.num_programs(1) * G + heads) * tl.num_programs(2) + split
             tl.store(m_ptr + at, m_i, mask=offs_g < G)
             tl.store(l_ptr + at, l_i, mask=offs_g < G)
             tl.store(acc_ptr + at[:, None] * D + offs_d[None, :], acc, mask=gmask)
             if FOLD:  # the last of this (row, head)'s programs to get here combines the splits itself
-                tl.debug_barrier()  # (every thread's partials stored before the count says so)
-                count = count_ptr + r * tl.num_programs(1) + h
-                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-                    tl.store(count, 0)  # (zero again for the next call: no kernel has to clear it)
-                    first = (r * tl.num_programs(1) * G + h * G) * n_split
-                    for g in tl.static_range(G):
-                        _combine_one(m_ptr, l_ptr, acc_ptr, o_ptr + r * so_r + (h * G + g) * so_h,
-                                     first + g * n_split, n_split, BLOCK_S, D, True)
+                _combine_if_last(count_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, r, h, so_r, so_h, G, BLOCK_S, D)
         else:
             out = acc / l_i[:, None]
             tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -156,6 +148,20 @@ if triton is not None:
         r = tl.program_id(0)
         h = tl.program_id(1)
         _combine_one(m_ptr, l_ptr, acc_ptr, o_ptr + r * so_r + h * so_h, (r * H + h) * S, S, BLOCK_S, D, False)
+
+    @triton.jit
+    def _combine_if_last(count_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, r, h, so_r, so_h, G: tl.constexpr,
+                         BLOCK_S: tl.constexpr, D: tl.constexpr):
+        """FOLD: count this program done on its (row, kv head)'s counter; the last one combines the G heads."""
+        n_split = tl.num_programs(2)
+        tl.debug_barrier()  # (every thread's partials stored before the count says so)
+        count = count_ptr + r * tl.num_programs(1) + h
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+            tl.store(count, 0)  # (zero again for the next call: no kernel has to clear it)
+            first = (r * tl.num_programs(1) * G + h * G) * n_split
+            for g in tl.static_range(G):
+                _combine_one(m_ptr, l_ptr, acc_ptr, o_ptr + r * so_r + (h * G + g) * so_h,
+                             first + g * n_split, n_split, BLOCK_S, D, True)
 
     @triton.jit
     def _combine_one(m_ptr, l_ptr, acc_ptr, out_ptr, first, S, BLOCK_S: tl.constexpr, D: tl.constexpr,
