@@ -29,8 +29,8 @@ COMBO = {"combo_kernels": True, "benchmark_combo_kernel": True}
 
 #: An experiment, off until timed on a GPU: each step's carry-over (core/carry_over.py) as one Inductor kernel
 #: (`carry_over_sum`) instead of the seven eager kernels its four ops make inside a step's graph (two fills, a
-#: compare, a where, a clamp, an index_add, an add: 1.1-1.8 us each at the 0.6B shape's batch 1, where the
-#: whole step is ~0.95 ms; BENCHMARKS.md, small models). Same ids, bit for bit (integers).
+#: compare, a where, a clamp, an index_add, an add: 0.9-1.8 us each in a 0.95 ms step of the 0.6B shape at
+#: batch 1, figures/data/runs/gpu_small_models_combo_2026-12-04/). Same ids, bit for bit (integers).
 CARRY_OVER = False
 
 
