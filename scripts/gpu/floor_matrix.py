@@ -78,6 +78,12 @@ def parse_setting(text: str) -> tuple:
     return name, int(value) if value.lstrip("-").isdigit() else value
 
 
+#: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
+SWITCHES = {"early": (early, "ENABLED"), "gated": (skinny, "GATED"), "argmax": (wide_argmax, "ENABLED"),
+            "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
+            "fold": (triton_decode, "FOLD")}
+
+
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
     """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
@@ -87,19 +93,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
-    modules = {}
-    if "early" in inductor:
-        modules[(early, "ENABLED")] = bool(inductor.pop("early"))
-    if "gated" in inductor:
-        modules[(skinny, "GATED")] = bool(inductor.pop("gated"))
-    if "argmax" in inductor:
-        modules[(wide_argmax, "ENABLED")] = bool(inductor.pop("argmax"))
-    if "carry" in inductor:
-        modules[(compiled_module, "CARRY_OVER")] = bool(inductor.pop("carry"))
-    if "one_piece" in inductor:
-        modules[(skinny, "ONE_PIECE")] = bool(inductor.pop("one_piece"))
-    if "fold" in inductor:
-        modules[(triton_decode, "FOLD")] = bool(inductor.pop("fold"))
+    modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
