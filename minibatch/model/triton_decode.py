@@ -204,12 +204,21 @@ def _counts(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTS[key]
 
 
-def num_splits(rows: int, kv_heads: int, width: int, device: torch.device) -> int:
-    """How many programs share one (row, kv head)'s keys: enough for two programs per SM, each
-    over at least one BLOCK_N chunk of keys."""
+def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: int = 2,
+               block_n: int = BLOCK_N) -> int:
+    """How many programs share one (row, kv head)'s keys: enough for `per_sm` programs per SM, each
+    over at least one `block_n` chunk of keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    want = -(-2 * sms // (rows * kv_heads))
-    return max(1, min(want, -(-width // BLOCK_N), 64))
+    want = -(-per_sm * sms // (rows * kv_heads))
+    return max(1, min(want, -(-width // block_n), 64))
+
+
+def split_keys(width: int, splits: int, block_n: int = BLOCK_N) -> tuple[int, int]:
+    """(keys per split, splits): `splits` ranges of whole `block_n` chunks over `width` keys, none left empty."""
+    if splits <= 1:
+        return width, 1
+    keys_per_split = -(-width // splits // block_n) * block_n
+    return keys_per_split, -(-width // keys_per_split)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, window,
@@ -263,8 +272,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
     width = kv_indices.shape[0] // rows
     if splits == 0:
         splits = num_splits(rows, kv_heads, width, query.device)
-    keys_per_split = -(-width // splits // block_n) * block_n if splits > 1 else width  # whole chunks
-    splits = -(-width // keys_per_split) if splits > 1 else 1  # none left empty
+    keys_per_split, splits = split_keys(width, splits, block_n)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     fold = (FOLD if fold is None else fold) and splits > 1

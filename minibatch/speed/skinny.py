@@ -222,8 +222,8 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
     """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
     `linear` call without a bias (merged siblings' included: `_weight`) for which `settings` picks the
     kernel at the input's row count (or, for a symbolic count, at one row) becomes a `skinny_linear`
-    call, which picks the kernel or F.linear per call, from the real row count. Returns how many calls it routed. `on_cuda_only=False`: route CPU
-    graphs too (tests: there the operator runs F.linear)."""
+    call, which picks the kernel or F.linear per call, from the real row count. Returns how many calls
+    it routed. `on_cuda_only=False`: route CPU graphs too (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 
     real = _placeholders(gm, example_inputs)

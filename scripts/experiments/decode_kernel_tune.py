@@ -61,15 +61,14 @@ def attention_shape(model: str) -> dict:
 
 
 def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int, per_sm: int, fold: bool = False):
-    """triton_decode.launch with the split count num_splits would pick if it aimed for `per_sm` programs per SM."""
+    """triton_decode.launch with the split count num_splits picks when it aims for `per_sm` programs per SM;
+    returns the output and the splits launched."""
     rows = batch.decode_rows
     width = batch.kv_indices.shape[0] // rows
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    splits = max(1, min(-(-per_sm * sms // (rows * k_cache.shape[1])), -(-width // block_n), 64))
-    keys_per_split = -(-width // splits // block_n) * block_n if splits > 1 else width
+    splits = td.num_splits(rows, k_cache.shape[1], width, query.device, per_sm, block_n)
     out = td.launch(query, k_cache, v_cache, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, 0,
                     query.shape[3] ** -0.5, splits, block_n=block_n, warps=warps, stages=stages, fold=fold, pdl=False)
-    return out, -(-width // keys_per_split) if splits > 1 else 1
+    return out, td.split_keys(width, splits, block_n)[1]
 
 
 def main() -> None:
@@ -115,11 +114,13 @@ def main() -> None:
         best = min(timed, key=lambda t: t[0])
         floor = kv_bytes / bw * 1e3
         row = {"rows": rows, "context": context, "kv_floor_ms": floor, "shipped_ms": base[0],
-               "shipped_splits": base[2], "folded_ms": fold[0], "best_ms": best[0], "best": best[1], "best_splits": best[2],
+               "shipped_splits": base[2], "folded_ms": fold[0], "best_ms": best[0], "best": best[1],
+               "best_splits": best[2],
                "top5": [{"ms": t[0], **t[1], "splits": t[2]} for t in sorted(timed, key=lambda t: t[0])[:5]]}
         results["points"].append(row)
         print(f"{rows:4d} x {context:5d}: floor {floor:6.3f} ms  shipped {base[0]:6.3f} ({base[0] / floor:.2f}x, "
-              f"{base[2]} splits)  shipped+fold {fold[0]:6.3f} ({fold[0] / floor:.2f}x)  best {best[0]:6.3f} ({best[0] / floor:.2f}x) {best[1]} {best[2]} splits", flush=True)
+              f"{base[2]} splits)  shipped+fold {fold[0]:6.3f} ({fold[0] / floor:.2f}x)  best {best[0]:6.3f} "
+              f"({best[0] / floor:.2f}x) {best[1]} {best[2]} splits", flush=True)
         for t in sorted(timed, key=lambda t: t[0])[1:5]:
             print(f"{'':16} next: {t[0]:6.3f} {t[1]} {t[2]} splits", flush=True)
         del cache, batch, query
