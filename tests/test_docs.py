@@ -72,3 +72,13 @@ def test_readme_reading_times_are_the_notebooks():
     said = {src.name[:2]: re.search(r"\*\*Time:\*\* about (\d+) minutes", src.read_text()).group(1)
             for src in sorted((ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"))}
     assert table == said, f"README's reading times {table} differ from the notebooks' {said}"
+
+
+def test_benchmarks_holds_todays_results_only():
+    """BENCHMARKS.md is read whole: today's result of each topic, at most 400 lines. Runs it replaces
+    move to a dated history file it links (notes/benchmarks_history_*.md), which it must name."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    lines = text.count("\n")
+    assert lines <= 400, f"BENCHMARKS.md has {lines} lines (at most 400): move replaced runs to its history"
+    histories = sorted(p.name for p in (ROOT / "notes").glob("benchmarks_history_*.md"))
+    assert histories and all(f"notes/{name}" in text for name in histories), histories

@@ -4,7 +4,7 @@ A run captures a step's CUDA graph the first time its shape comes up (core/graph
 offline run that is fine; for a server it is not: a capture holds the loop for about two eager
 launches of the step (the warm-up run, then the recording), and every stream in the batch waits for
 it. Those captures are a serving run's longest steps, and so the tail of its inter-token latency
-(BENCHMARKS.md, "Serving latency after delivering tokens from the step").
+(BENCHMARKS.md, "Serving latency: how the 8B server got here").
 
 `capture_startup_graphs(engine, context)` captures, up front, the graphs a server meets with
 requests of up to `context` tokens (prompt and output together), for each pairing of slots the loop
