@@ -188,3 +188,34 @@ def test_each_class_name_is_defined_once():
                 where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     twice = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert not twice, f"class names defined more than once: {twice}"
+
+
+def code_lines(path: Path) -> int:
+    """Lines of a module that are code: not its docstrings, comments or blank lines."""
+    text = path.read_text()
+    prose = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            prose.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(text.splitlines(), 1)
+               if i not in prose and line.strip() and not line.strip().startswith("#"))
+
+
+def test_the_core_stays_small():
+    """The core a reader holds in their head (core/__init__.py): at most 2,200 lines of code. Its
+    docstrings and comments are the teaching and are not counted: a bound on them would push the
+    explanations out, not the code."""
+    counts = {p.name: code_lines(p) for p in sorted((PKG / "core").glob("*.py"))}
+    total = sum(counts.values())
+    biggest = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+    assert 1000 < total <= 2200, f"minibatch/core has {total} lines of code (at most 2,200); the largest: {biggest}"
+
+
+def test_modules_are_short():
+    """A module a reader takes in one sitting: none over 400 lines (most are under 300)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, "modules over 400 lines (split them where they have two jobs):\n" + "\n".join(long)

@@ -6,7 +6,6 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
     config.py       EngineConfig: every option of a run, checked once; the RunConfig sized from it 00
     checks.py       the prompts and the options checked against the model, before any work       00
     memory.py       the run's sizes and whether they fit in free memory                           00
-    limits.py       how much memory this process may still allocate (free memory, ulimit, cgroup) 00
     args.py         integers, numbers and flags checked with errors that name them               00
     requests.py     Request and SamplingParams: a request's life cycle and how to continue it    01
     kv_cache.py     the paged KV cache and its block allocator                                    01
@@ -31,7 +30,8 @@ of device.py. It imports nothing else of minibatch; the rest plugs into it (see 
 Plugged in from outside, each importing the core and never the reverse:
 
     devices/   the backends: cuda, cpu (an emulated device in a process of its own), cpu-threads;
-               devices/__init__.py installs their opener (device.open_device), cuda.py the GPU's Platform
+               devices/__init__.py installs their opener (device.open_device) and the host's free
+               memory (device.host_bytes_free, from devices/limits.py), cuda.py the GPU's Platform
     model/     a transformers causal LM set up for the paged KV cache (what Engine asks of a model:
                engine.MODEL_NEEDS); the Triton decode attention
     speed/     torch.compile'd decode steps and merged sibling projections (Model.compiled_step)

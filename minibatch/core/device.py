@@ -38,6 +38,7 @@ def resident_types() -> tuple[type, ...]:
 
 
 _OPENER = None  # opens a device by name: set by the backends' front door (devices/__init__.py)
+_HOST_FREE = None  # measures the host memory this process may still allocate: set there too
 
 
 def use_opener(opener) -> None:
@@ -46,6 +47,19 @@ def use_opener(opener) -> None:
     the engine opens a device without importing any backend."""
     global _OPENER
     _OPENER = opener
+
+
+def use_host_memory(measure) -> None:
+    """Install the function `host_bytes_free` calls: `measure() -> int`, the bytes of host memory this
+    process may still allocate (devices/limits.py reads the machine's free memory, `ulimit -v` and a
+    container's cgroup limit; how is a platform's business, not the core's)."""
+    global _HOST_FREE
+    _HOST_FREE = measure
+
+
+def host_bytes_free() -> int | None:
+    """Host memory this process may still allocate, in bytes; None where no backend measures it."""
+    return None if _HOST_FREE is None else _HOST_FREE()
 
 
 def open_device(kind: str, timeline=None, inherit=(), **options) -> "Device":

@@ -20,8 +20,7 @@ from .batch import TENSOR_FIELDS
 from .buckets import KEY_BUCKETS, ROW_BUCKETS, TOKEN_BUCKETS, bucket
 from .requests import MAX_LOGPROBS
 from .slots import EXTENT, capacities
-from .device import platform
-from .limits import host_bytes_free
+from .device import host_bytes_free, platform
 
 MEMORY_FRACTION = 0.9  # of the free memory a run may plan for: the rest is for activations, Python, others
 
@@ -65,9 +64,10 @@ def estimate_bytes(model, num_blocks: int, max_tokens: int, max_keys: int, rows:
 
 def available_bytes(device: torch.device) -> tuple[int, int]:
     """(free device memory, free host memory) in bytes; on the CPU both are the same host memory. Host
-    memory is the smallest of the machine's free memory, an address-space limit (`ulimit -v`) and a
-    container's cgroup limit (core/limits.py)."""
+    memory as the backends measure it (device.host_bytes_free: the machine's free memory, `ulimit -v`, a
+    container's cgroup limit); where nothing measures it, no limit."""
     host, own = host_bytes_free(), platform(device).free_bytes(device)
+    host = 2**62 if host is None else host
     return (host if own is None else own), host
 
 

@@ -28,9 +28,11 @@ and all later work waits for it: concurrency gone (notebook 02).
                really concurrent, but sharing the host's GIL; device work may touch host objects.
 
   cpu_process.py  the cpu device's process: its message loop, running work on its streams.
+  cpu_channel.py  the host's end of that process's socket: messages queued and sent, replies read.
   names.py      how work's objects travel to the cpu device process (shared storages, named objects).
   settings.py   process-wide settings the cpu devices hold (GIL switch interval, torch threads).
   lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
+  limits.py     how much host memory this process may still allocate (free memory, ulimit, cgroup).
   compat.py     the private PyTorch and CPython hooks of the cpu device (an object from its address,
                 a storage's shared-memory descriptor).
 
@@ -57,7 +59,8 @@ import torch
 from .cpu import CpuDevice
 from .cuda import CudaDevice
 from .threads import ThreadDevice
-from ..core.device import Device, DeviceError, DeviceTimeoutError, Event, Stream, use_opener
+from . import limits
+from ..core.device import Device, DeviceError, DeviceTimeoutError, Event, Stream, use_host_memory, use_opener
 
 BACKENDS = ("cpu", "cpu-threads", "cuda")
 CPU_DEVICE_VAR = "MINIBATCH_CPU_DEVICE"  # "cpu-threads": every "cpu" device opens as threads
@@ -113,6 +116,7 @@ def get_device(kind: str = "cpu", timeline=None, inherit=(), **options) -> Devic
 
 
 use_opener(get_device)  # what core.device.open_device (the engine's way in) calls
+use_host_memory(limits.host_bytes_free)  # what core.device.host_bytes_free (the run's memory check) calls
 
 
 def _cpu_backend() -> str:

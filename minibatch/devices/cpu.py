@@ -29,6 +29,9 @@ device process is pinned to every core but the host's first one (where the platf
 Needs the `fork` start method (Linux, macOS): constructed where there is none it raises, and
 `get_device("cpu")` opens "cpu-threads" there instead (devices/__init__.py).
 
+The messages themselves (queued, sent as one write, replies read while the host waits) are
+devices/cpu_channel.py's; this module opens, feeds and closes the process.
+
 Shutdown: close() sends "exit", waits a short grace period, then terminates the process; open
 devices are closed at exit. A KeyboardInterrupt in the middle of a message leaves the channel
 unusable: the device then counts as failed (sticky, like any device error) and is closed.
@@ -49,19 +52,18 @@ import atexit
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import time
 import weakref
-from multiprocessing import reduction  # its sendfds exists only where Unix sockets carry descriptors
 
 import torch
 
 from .compat import share_fd
 from . import cpu_process as device_process
 from . import lifecycle
-from ..core import limits
-from ..core.device import Device, DeviceError, Event, Stream, deferred_interrupts, time_left
+from . import limits
+from ..core.device import Device, DeviceError, Event, Stream, deferred_interrupts
+from .cpu_channel import CpuChannel
 from .names import Names
 from . import settings
 from .threads import SWITCH_INTERVAL
@@ -70,10 +72,6 @@ START_TIMEOUT = 30.0  # seconds for the device process to report ready
 GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated
 
 _open: "weakref.WeakSet[CpuDevice]" = weakref.WeakSet()
-
-
-class RemoteError(Exception):
-    """A failure inside device work that could not be rebuilt in the host: its traceback as text."""
 
 
 class CpuEvent(Event):
@@ -130,7 +128,7 @@ class CpuStream(Stream):
         self._sync_event.synchronize(timeout)
 
 
-class CpuDevice(Device):
+class CpuDevice(CpuChannel, Device):
     """The host's handle on a device process: streams, events and shared memory by message."""
 
     kind = "cpu"
@@ -308,109 +306,6 @@ class CpuDevice(Device):
         # ("can only join a child process"): it is not our child
         getattr(multiprocessing.process, "_children", set()).discard(self._proc)
 
-    # --- messages -------------------------------------------------------------------------------------
-    def _send_work(self, msg, what: str) -> None:
-        pending: list = []
-        try:
-            data = device_process.dumps(msg, self._names, pending=pending)
-        except DeviceError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise DeviceError(f"{what}: its work or arguments cannot be sent to the device process: "
-                              f"{type(exc).__name__}: {exc}") from exc
-        self._post(data, flush=True)
-        for obj, key in pending:  # sent: from now on the device knows them by key
-            self._names.remember(obj, key)
-
-    def _send(self, msg, storage=None, flush: bool = False) -> None:
-        self._check()
-        self._post(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flush, storage)
-
-    def _post(self, item: bytes, flush: bool, storage=None) -> None:
-        """Queue a message (and a storage whose file descriptor goes with it); with `flush`, send the queue."""
-        dropped = self._names.take_dropped()
-        if dropped is not None:
-            self._queue.append(pickle.dumps(("F", *dropped)))
-        self._queue.append(item)
-        if storage is not None:
-            self._fds.append(storage)
-        if flush:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Send the queued messages as one write, then their file descriptors as one more."""
-        if not self._queue or self._broken:
-            return
-        batch, storages, self._queue, self._fds = self._queue, self._fds, [], []
-        try:
-            self._conn.send_bytes(pickle.dumps((batch, len(storages)), protocol=pickle.HIGHEST_PROTOCOL))
-            if storages:
-                reduction.sendfds(self._sock, [share_fd(st)[0] for st in storages])
-        except BaseException as exc:
-            self._fail_channel(exc)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise DeviceError(self._error[0]) from exc  # (a dead process: a broken pipe)
-        self._drain()  # keep the reply channel from filling up while the host only launches
-
-    def _fail_channel(self, exc: BaseException) -> None:
-        """A message cut in half (an interrupt mid-send or mid-receive) or a dead process: sticky."""
-        self._broken = True
-        if self._error is not None:
-            return
-        # the error keeps no traceback: its frames would keep the run's buffers alive
-        if isinstance(exc, KeyboardInterrupt):
-            self._error = (_unreachable("interrupted in the middle of a message"), None)
-            return
-        self._error = (_unreachable(f"{type(exc).__name__}: {exc}", hint=True), None)  # first: an interrupt
-        if self._closed:
-            return  # (the process is gone and its handle closed)
-        self._proc.join(0.2)  # a process that died closed its end first: let it be reaped, for its exit code
-        code = self._proc.exitcode
-        if code is not None:
-            how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
-            self._error = (_unreachable(f"it died: {how}", hint=True), None)
-
-    def failure(self) -> str | None:
-        if self._error is not None:
-            return self._error[0]
-        code = None if self._closed else self._proc.exitcode  # (polls the process: never waits)
-        if code is None:
-            return None
-        how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
-        return f"the cpu device's process (pid {self._proc.pid}) died: {how}"
-
-    def _recv(self) -> None:
-        try:
-            msg = pickle.loads(self._conn.recv_bytes())
-        except BaseException as exc:
-            self._fail_channel(exc)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise DeviceError(self._error[0]) from exc
-        op = msg[0]
-        if op == "r":
-            ev = self._events.get(msg[1])
-            if ev is not None and msg[2] > ev._reached:
-                ev._reached = msg[2]
-        elif op == "p":
-            tl = self._timelines.get(msg[1])
-            if tl is not None:
-                _, _, lane, name, start, end, step, slot = msg
-                tl.add(lane, name, start - tl.t0, end - tl.t0, step, slot)
-        elif op == "e" and self._error is None:
-            _, message, blob, text = msg
-            cause = pickle.loads(blob) if blob is not None else RemoteError(text)
-            self._error = (message, cause)
-
-    def _drain(self) -> None:
-        if self._broken or self._closed:
-            return
-        if self._queue:
-            self._flush()  # _flush drains after sending
-        while self._conn.poll(0):
-            self._recv()
-
     def _check(self) -> None:
         if self._error is not None:
             raise DeviceError(self._error[0]) from self._error[1]
@@ -426,29 +321,6 @@ class CpuDevice(Device):
             raise ValueError("this event belongs to another device: create it with this device's event()")
         return event
 
-    def _wait_for(self, done, timeout: float | None, what: str) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._drain()
-            self._check()
-            if done():
-                return
-            left = time_left(deadline, timeout, what)
-            try:
-                ready = self._conn.poll(left)
-            except BaseException as exc:
-                if not isinstance(exc, KeyboardInterrupt):  # an interrupt in poll cuts no message
-                    self._fail_channel(exc)
-                raise
-            if ready:
-                self._recv()
-
-
-def _unreachable(why: str, hint: bool = False) -> str:
-    tail = (" If it dies every time on this machine, MINIBATCH_CPU_DEVICE=cpu-threads runs the device as "
-            "threads of this process instead (README, common problems)") if hint else ""
-    return f"the device process cannot be reached any more ({why}); open a new device.{tail}"
-
 
 def _close_fd(fd: int | None) -> None:
     if fd is not None:
@@ -457,13 +329,6 @@ def _close_fd(fd: int | None) -> None:
         except OSError:
             pass
     return None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return f"{number} ({signal.Signals(number).name})"
-    except ValueError:
-        return str(number)
 
 
 @atexit.register

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..core.args import DTYPES, INT64_MAX, _int, resolve_device
-from ..core.limits import host_bytes_free
+from ..devices.limits import host_bytes_free
 
 MEMORY_FRACTION = 0.9  # of the free memory a model's weights may take
 _SERIAL = 16384  # elements: below torch's grain size for parallel CPU ops (32768)

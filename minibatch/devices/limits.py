@@ -1,5 +1,6 @@
-"""How much host memory this process may still allocate (notebook 00; the checks of core/memory.py
-and model/checks.py ask before they allocate).
+"""How much host memory this process may still allocate (notebook 00): the machine's answer to
+core/device.py's `host_bytes_free`, which the run's memory check (core/memory.py) asks before it
+allocates; the model's load checks (model/checks.py) ask here directly.
 
 Free memory is the smallest of three numbers, each of which can be the one that stops an allocation:
 
