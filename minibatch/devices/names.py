@@ -12,7 +12,11 @@ what goes by value and what by name (devices/cpu_process.py rebuilds both):
     anything else                                     -> by value (pickle's default)
 
 When a shared storage or a remembered object dies on the host, its key is queued as dropped, and
-the next message tells the device process to let go of its copy.
+the next message tells the device process to let go of its copy. The death is noticed by a weak
+reference whose callback is a C function (a list's `append`): a callback written in Python runs
+wherever the last reference goes, and a Ctrl-C landing in it would be swallowed by the interpreter
+("Exception ignored in ...") with the record half updated. The bookkeeping happens later, in plain
+code (`_purge`), before the record is read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class Names:
         self.sent: dict[int, tuple] = {}  # id(obj) -> (weak reference, key) of objects sent by value
         self.dropped_storages: list[int] = []
         self.dropped_objects: list[int] = []
+        # id(weak reference) -> (the reference, kind "storage" or "object", data_ptr or id(obj), key); a
+        # reference found dead lands in `_dead` (its callback is `_dead.append`), purged by `_purge`
+        self._watched: dict[int, tuple] = {}
+        self._dead: list = []
         # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
         # device names them by address instead of receiving a copy (a scan of every object for them
         # took longer than the fork itself)
@@ -52,12 +60,15 @@ class Names:
     def add_storage(self, tensor: torch.Tensor, key: int) -> None:
         """`tensor`'s shared storage is known to the device process as `key` (until the tensor dies)."""
         ptr = tensor.untyped_storage().data_ptr()
+        self._purge()  # (a dead storage's address may be this one's: its entry goes first)
         self.storage_keys[ptr] = key
         # views keep their base alive, so the storage is dropped when the last view goes
-        weakref.finalize(tensor, self._drop_storage, ptr, key)
+        ref = weakref.ref(tensor, self._dead.append)
+        self._watched[id(ref)] = (ref, "storage", ptr, key)
 
     def take_dropped(self) -> tuple[list[int], list[int]] | None:
         """The storage and object keys dropped since the last call (None if there are none)."""
+        self._purge()
         if not (self.dropped_storages or self.dropped_objects):
             return None
         storages, objects = self.dropped_storages[:], self.dropped_objects[:]
@@ -67,6 +78,8 @@ class Names:
 
     def reference(self, obj, pickler):
         """How an object travels to the device process (devices/cpu_process.py): None means by value."""
+        if self._dead:  # a dead storage's address may be reused by this tensor's
+            self._purge()
         if isinstance(obj, torch.Tensor):
             if obj.numel() == 0:
                 return None
@@ -94,21 +107,29 @@ class Names:
 
     def remember(self, obj, key: int) -> None:
         """`obj` has been delivered by value as `key`: name it from now on, and drop it when it dies."""
-        i, dropped = id(obj), self.dropped_objects
-
-        def forget(_ref, i=i, key=key) -> None:
-            entry = self.sent.get(i)
-            if entry is not None and entry[1] == key:
-                del self.sent[i]
-            dropped.append(key)
-
+        i = id(obj)
         try:
-            ref = weakref.ref(obj, forget)
+            ref = weakref.ref(obj, self._dead.append)
+            self._watched[id(ref)] = (ref, "object", i, key)
         except TypeError:  # cannot be weakly referenced: kept alive with the device
             ref = (lambda o: lambda: o)(obj)
         self.sent[i] = (ref, key)
 
-    def _drop_storage(self, ptr: int, key: int) -> None:
-        if self.storage_keys.get(ptr) == key:
-            del self.storage_keys[ptr]
-        self.dropped_storages.append(key)
+    def _purge(self) -> None:
+        """Forget what died since the last purge, and queue its keys as dropped. An entry is removed only
+        if it is still the dead one's: a new storage at the same address, or a new object with the same
+        id, has its own. A dead reference leaves `_dead` last, so an interrupt half-way through repeats
+        its purge next time (the device process lets go of a key twice without harm), never skips it."""
+        while self._dead:
+            ref = self._dead[0]
+            entry = self._watched.get(id(ref))
+            if entry is not None:
+                _, kind, where, key = entry
+                table, dropped = ((self.storage_keys, self.dropped_storages) if kind == "storage"
+                                  else (self.sent, self.dropped_objects))
+                held = table.get(where)
+                if held is not None and (held if kind == "storage" else held[1]) == key:
+                    del table[where]
+                dropped.append(key)
+                del self._watched[id(ref)]
+            self._dead.pop(0)

@@ -3,8 +3,8 @@
 #
 #   bash scripts/gpu/reproduce.sh OUTDIR [SECTION ...]     # default: every section, in this order
 #
-# Sections (each writes OUTDIR/SECTION/ and a log; BENCHMARKS.md, or for older runs its history in
-# notes/benchmarks_history_2026-11-29_to_2026-12-02.md, says which table each one fills):
+# Sections (each writes OUTDIR/SECTION/ and a log; BENCHMARKS.md, or for older runs the histories it links in
+# notes/benchmarks_history_*.md, says which table each one fills):
 #   tests      the GPU tests (tests/test_gpu.py, the cuda half of tests/test_device.py, the Triton kernel)
 #   headline   8B shape, 32 x 256-token prompts, 256 new tokens: sync and async with CUDA graphs, the floor,
 #              and transformers' generate_batch in each of its modes, each in a process of its own
@@ -24,6 +24,11 @@
 #              kernels launched late, without combined kernels and with the vocabulary's argmax as one
 #              reduction (--variants late:... separate:... one_argmax:...), and the 0.6B
 #              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
+#   switches   the small-model changes built but off until timed (floor_matrix.py --variants, 0.6B shape, batches
+#              1, 4 and 8 in a command each, ~4-6 minutes each): the merged q/k/v and gate/up products on
+#              speed/skinny.py's kernel (widest=...), the attention's split combine folded into its kernel (fold=1),
+#              and everything together with the 2048-input product in one piece and the carry-over as one compiled
+#              kernel (one_piece=1, carry=1); not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -79,6 +84,13 @@ for s in $sections; do
            done
            python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --model qwen3-0.6b-shape --rows 1,4,8 \
                > "$out/$s/skinny_gemv.log" 2>&1; tail -4 "$out/$s/skinny_gemv.log" ;;
+    switches) wide="widest=1:8192/4:8192/8:8192"
+              for b in 1 4 8; do
+                python3 scripts/gpu/floor_matrix.py "$out/$s/b$b" --model qwen3-0.6b-shape --batches $b --contexts 512 \
+                    --compile --kernels top --variants "wide:$wide" "fold:fold=1" \
+                    "all:$wide,fold=1,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
+                tail -8 "$out/$s/floor_b$b.log"
+              done ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1

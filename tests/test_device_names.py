@@ -1,0 +1,79 @@
+"""How the cpu device learns that the host let go of a shared storage or of an object it was sent
+(devices/names.py): the death is noticed without running Python code, and the keys still reach it."""
+
+import gc
+import sys
+
+import torch
+
+from minibatch.devices.names import Names
+
+
+class Held:
+    """An object that travels by value once and is named by key after (weakly referenced)."""
+
+
+def profiled_calls(action) -> list[str]:
+    """The Python functions that run while `action()` does."""
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_qualname) if event == "call" else None)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return [c for c in calls if not c.endswith("<lambda>")]  # (the action itself)
+
+
+def test_dropped_storages_and_objects_are_queued_for_the_device():
+    names = Names()
+    t = torch.empty(16).share_memory_()
+    names.add_storage(t, 5)
+    view = t[4:]  # a view keeps its base, and so the storage, alive
+    obj = Held()
+    names.remember(obj, 7)
+    assert names.take_dropped() is None
+    del t
+    gc.collect()
+    assert names.take_dropped() is None, "the view still holds the storage"
+    del obj
+    assert names.take_dropped() == ([], [7]) and not names.sent
+    del view
+    assert names.take_dropped() == ([5], []) and not names.storage_keys
+    assert names.take_dropped() is None
+
+
+def test_a_death_runs_no_python_code():
+    """A Python callback runs wherever the last reference goes, and a Ctrl-C that lands in it is
+    swallowed by the interpreter ("Exception ignored in ..."), its bookkeeping half done. The callbacks
+    are C functions; the keys are handed over later, by plain code."""
+    names = Names()
+    holder = {"t": torch.empty(8).share_memory_(), "obj": Held()}
+    names.add_storage(holder["t"], 1)
+    names.remember(holder["obj"], 2)
+    assert profiled_calls(lambda: holder.__delitem__("t")) == []
+    assert profiled_calls(lambda: holder.__delitem__("obj")) == []
+    assert names.take_dropped() == ([1], [2])
+
+
+def test_a_purge_cut_short_is_repeated_not_skipped():
+    """An interrupt in the middle of handing over the dead keys repeats the hand-over next time (the
+    device process lets go of a key twice without harm); it never loses a key."""
+    names = Names()
+    obj = Held()
+    names.remember(obj, 3)
+    del obj
+    dropped = names.dropped_objects
+
+    class Cut(list):
+        def append(self, key):  # the interrupt lands just after the key is queued
+            super().append(key)
+            raise KeyboardInterrupt
+
+    names.dropped_objects = Cut(dropped)
+    try:
+        names.take_dropped()
+    except KeyboardInterrupt:
+        pass
+    names.dropped_objects = list(names.dropped_objects)
+    storages, objects = names.take_dropped()
+    assert storages == [] and set(objects) == {3} and not names.sent and not names._dead
