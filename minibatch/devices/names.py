@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import deque
 
 import torch
 
@@ -43,7 +44,7 @@ class Names:
         # id(weak reference) -> (the reference, kind "storage" or "object", data_ptr or id(obj), key); a
         # reference found dead lands in `_dead` (its callback is `_dead.append`), purged by `_purge`
         self._watched: dict[int, tuple] = {}
-        self._dead: list = []
+        self._dead: deque = deque()
         # the objects in `inherit` (and the torch modules they hold) are inherited by the fork, so the
         # device names them by address instead of receiving a copy (a scan of every object for them
         # took longer than the fork itself)
@@ -61,10 +62,11 @@ class Names:
         """`tensor`'s shared storage is known to the device process as `key` (until the tensor dies)."""
         ptr = tensor.untyped_storage().data_ptr()
         self._purge()  # (a dead storage's address may be this one's: its entry goes first)
-        self.storage_keys[ptr] = key
-        # views keep their base alive, so the storage is dropped when the last view goes
+        # views keep their base alive, so the storage is dropped when the last view goes; watched before
+        # it is named, so that an interrupt in between leaves no name that nothing would ever remove
         ref = weakref.ref(tensor, self._dead.append)
         self._watched[id(ref)] = (ref, "storage", ptr, key)
+        self.storage_keys[ptr] = key
 
     def take_dropped(self) -> tuple[list[int], list[int]] | None:
         """The storage and object keys dropped since the last call (None if there are none)."""
@@ -72,7 +74,7 @@ class Names:
         if not (self.dropped_storages or self.dropped_objects):
             return None
         storages, objects = self.dropped_storages[:], self.dropped_objects[:]
-        # (weakref callbacks may append while we copy: delete only what was taken)
+        # (a purge in another thread may append while we copy: delete only what was taken)
         del self.dropped_storages[:len(storages)], self.dropped_objects[:len(objects)]
         return storages, objects
 
@@ -131,5 +133,6 @@ class Names:
                 if held is not None and (held if kind == "storage" else held[1]) == key:
                     del table[where]
                 dropped.append(key)
-                del self._watched[id(ref)]
-            self._dead.pop(0)
+                self._watched.pop(id(ref), None)
+            if self._dead and self._dead[0] is ref:  # (a purge re-entered from here may have taken it)
+                self._dead.popleft()

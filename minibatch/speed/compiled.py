@@ -80,7 +80,7 @@ class CompiledStep:
     compile serves every decode batch of two rows or more, and one more serves a single row
     (torch.compile specializes sizes 0 and 1). Why: a server's batch size follows its traffic, and
     with static shapes each new row bucket compiles while every request waits (tens of seconds for an
-    8B model: BENCHMARKS.md, Serving). Still deterministic: which kernels serve a shape does not depend
+    8B model: BENCHMARKS.md's history, "Serving over HTTP, third run"). Still deterministic: which kernels serve a shape does not depend
     on the order shapes come up in, since no shape is ever compiled statically; the kernels are general
     ones, so bf16 tokens may differ from a static compile's. The row count reaches the model through
     `Batch.rows()` (batch.py), read from a tensor's length instead of the Python int `decode_rows`.
@@ -88,7 +88,7 @@ class CompiledStep:
     the sampler is compiled apart (`pick`, a small graph: greedy and unfiltered sampling) or, for a
     batch with top-k or top-p, runs eagerly. Why: torch 2.11's Inductor fails to generate the Triton
     kernel for that sampler's cumulative sum over a 128256-entry vocabulary once the row count is
-    symbolic (a split scan; BENCHMARKS.md, Serving), and a server that compiles its forward once
+    symbolic (a split scan; BENCHMARKS.md's history, "Serving over HTTP, sixth run"), and a server that compiles its forward once
     instead of once per variant is ready sooner. The eager filtered sampler costs a few more kernels
     per step than a compiled one, only in steps whose batch holds a filtered request.
     """

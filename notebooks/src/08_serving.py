@@ -262,8 +262,9 @@ request_timeline(tl, moments, moments["request"] - 0.025, moments["first"] + 0.0
 # a profile would tell). FlashAttention's variable-length kernel takes each chunk against its own
 # keys, the chunks' offsets given as tensors (`Model.flat_attention = "varlen"`,
 # `minibatch/model/attention.py`). What `ttft_breakdown.py` printed for the same workload, sync,
-# before and after (BENCHMARKS.md has the whole table): the admitting step less than half as long, still
-# several decode steps long, since it is still launched kernel by kernel.
+# before and after (the benchmark history BENCHMARKS.md links has the whole table): the admitting
+# step less than half as long, still several decode steps long, since it is still launched kernel
+# by kernel.
 
 # %%
 for when in ("before", "after"):
@@ -275,8 +276,8 @@ for when in ("before", "after"):
 # ### A first token held back by the next launch
 #
 # With the faster attention, the async server still gave its newcomers their first token later than
-# the sync one did, at 16 and 32 requests per second (BENCHMARKS.md, "Serving latency"). The timeline
-# of that run says where: below, one request of the async server at 16 requests per second. Its step
+# the sync one did, at 16 and 32 requests per second (BENCHMARKS.md, "Serving latency", and its
+# history). The timeline of that run says where: below, one request of the async server at 16 requests per second. Its step
 # (the long compute span) ends, and its first token is delivered only about fifty milliseconds later.
 # In between, the host launched the *next* step, another eager one with a newcomer's prompt in it,
 # kernel by kernel, and only then waited for the step that held the token. That is the async loop's
@@ -575,8 +576,8 @@ fig.savefig(f"{FIGURES}/08_http_graphs_gpu.png", dpi=110)
 # the same gap between tokens, and more tokens per second from 32 requests per second on
 # (3994 <!-- from figures/data/headline.json: serving_graphs.decode_inf_tok_s --> against 3763 <!-- from figures/data/headline.json: serving_graphs.every_inf_tok_s --> at rate inf). So `serve` graphs decode steps only unless told
 # otherwise (`--cuda-graphs on`), while offline runs graph every step. The price is the eager
-# prefill at a few requests per second: a newcomer's first token comes a little later (BENCHMARKS.md
-# has every rate). What remains of the gap to the offline engine, 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of its throughput,
+# prefill at a few requests per second: a newcomer's first token comes a little later (the history
+# BENCHMARKS.md links has every rate). What remains of the gap to the offline engine, 0.77 <!-- from figures/data/headline.json: serving_graphs.decode_over_offline --> of its throughput,
 # sits at the start and the end of a run this short: requests reach the engine one HTTP request at a
 # time rather than all in step 0. Over 256 requests the server reaches about nine tenths of the
 # offline engine, with as many steps, each as fast.
