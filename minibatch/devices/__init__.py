@@ -31,7 +31,8 @@ and all later work waits for it: concurrency gone (notebook 02).
   cpu_channel.py  the host's end of that process's socket: messages queued and sent, replies read.
   names.py      how work's objects travel to the cpu device process (shared storages, named objects).
   settings.py   process-wide settings the cpu devices hold (GIL switch interval, torch threads).
-  lifecycle.py  how the cpu device process ends with its host, and what a fork of the host inherits.
+  lifecycle.py  how the cpu device process ends with its host, what a fork of the host inherits, and
+                the registry of open devices (held weakly, with no Python callback).
   limits.py     how much host memory this process may still allocate (free memory, ulimit, cgroup).
   compat.py     the private PyTorch and CPython hooks of the cpu device (an object from its address,
                 a storage's shared-memory descriptor).

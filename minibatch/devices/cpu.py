@@ -54,7 +54,6 @@ import os
 import pickle
 import socket
 import time
-import weakref
 
 import torch
 
@@ -71,7 +70,7 @@ from .threads import SWITCH_INTERVAL
 START_TIMEOUT = 30.0  # seconds for the device process to report ready
 GRACE = 0.5  # seconds a busy device process gets to exit before it is terminated
 
-_open: "weakref.WeakSet[CpuDevice]" = weakref.WeakSet()
+_open = lifecycle.OpenDevices()
 
 
 class CpuEvent(Event):

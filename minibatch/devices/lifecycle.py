@@ -13,7 +13,8 @@ a fork of the host (a later device process, a `multiprocessing` worker, a user's
 its copies at once (`after_fork_in_child` hooks in devices/cpu.py and devices/threads.py). The
 parent-death signal fires when the *thread* that forked ends, so it is asked for only when the
 device is opened from the main thread (which lives as long as the process); the pipe covers the rest,
-and every platform that can fork.
+and every platform that can fork. `OpenDevices` is the registry of a backend's open devices that
+those hooks (and the exit hooks) walk.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -62,3 +64,27 @@ def _watch(fd: int) -> None:
         except OSError:
             break
     os._exit(0)  # no atexit handlers, no teardown of the workers: nobody is left to use their results
+
+
+class OpenDevices:
+    """The devices of this process still open, held weakly: closed at exit, disowned in a fork.
+
+    Not a `weakref.WeakSet`: its clean-up callback is Python code that runs wherever a device's last
+    reference goes, and a Ctrl-C landing in it is swallowed by the interpreter ("Exception ignored
+    in ..."). Here the callback is the set's own `discard`, a C function: no Python code runs."""
+
+    def __init__(self) -> None:
+        self._refs: set = set()
+
+    def add(self, dev) -> None:
+        dev._open_ref = ref = weakref.ref(dev, self._refs.discard)
+        self._refs.add(ref)
+
+    def discard(self, dev) -> None:
+        self._refs.discard(getattr(dev, "_open_ref", None))
+
+    def __iter__(self):
+        return iter([dev for ref in list(self._refs) if (dev := ref()) is not None])
+
+    def clear(self) -> None:
+        self._refs.clear()

@@ -41,7 +41,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import weakref
 import time
 from collections import deque
 from typing import Any, Callable
@@ -54,7 +53,7 @@ from ..core.device import Device, DeviceError, Event, Stream, deferred_interrupt
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
 
-_open: "weakref.WeakSet[ThreadDevice]" = weakref.WeakSet()
+_open = lifecycle.OpenDevices()
 _opener = os.getpid()  # the process whose devices are in _open
 
 
@@ -346,7 +345,7 @@ class ThreadDevice(Device):
 def forget_open_devices() -> None:
     """In a forked child: the parent's devices, copied by the fork, are not this process's to close."""
     global _open, _opener
-    _open, _opener = weakref.WeakSet(), os.getpid()
+    _open, _opener = lifecycle.OpenDevices(), os.getpid()
 
 
 def _after_fork_in_child() -> None:

@@ -1,5 +1,6 @@
-"""How the cpu device learns that the host let go of a shared storage or of an object it was sent
-(devices/names.py): the death is noticed without running Python code, and the keys still reach it."""
+"""The device layer's weak records: what the cpu device process holds (devices/names.py) and which
+devices are open (devices/lifecycle.OpenDevices). A death is noticed without running Python code, where
+a Ctrl-C could land and be swallowed, and the records are still brought up to date."""
 
 import gc
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from minibatch.devices.lifecycle import OpenDevices
 from minibatch.devices.names import Names
 
 
@@ -83,3 +85,18 @@ def test_a_purge_cut_short_is_repeated_not_skipped():
     with pytest.raises(KeyboardInterrupt):
         names.take_dropped()
     assert names.take_dropped() == ([], [3]) and not names.sent and not names._dead and not names._watched
+
+
+def test_the_open_devices_are_held_weakly_and_forgotten_without_python_code():
+    """A device dropped unclosed leaves the registry that closes devices at exit (and disowns them in a
+    fork); its weak-set callback would run Python code where the last reference went."""
+    devices = OpenDevices()
+    holder = {"a": Held(), "b": Held()}
+    devices.add(holder["a"])
+    devices.add(holder["b"])
+    assert set(map(id, devices)) == {id(holder["a"]), id(holder["b"])}
+    devices.discard(holder["b"])  # closed
+    assert list(devices) == [holder["a"]]
+    assert profiled_calls(lambda: holder.__delitem__("a")) == []
+    assert list(devices) == []
+
