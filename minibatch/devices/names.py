@@ -13,7 +13,7 @@ what goes by value and what by name (devices/cpu_process.py rebuilds both):
 
 When a shared storage or a remembered object dies on the host, its key is queued as dropped, and
 the next message tells the device process to let go of its copy. The death is noticed by a weak
-reference whose callback is a C function (a list's `append`): a callback written in Python runs
+reference whose callback is a C function (a deque's `append`): a callback written in Python runs
 wherever the last reference goes, and a Ctrl-C landing in it would be swallowed by the interpreter
 ("Exception ignored in ...") with the record half updated. The bookkeeping happens later, in plain
 code (`_purge`), before the record is read.
