@@ -187,7 +187,7 @@ def test_the_server_says_how_far_the_start_up_captures_are():
     import io
 
     pytest.importorskip("fastapi")
-    from minibatch.serving.server import capture_progress
+    from minibatch.serving.startup import capture_progress
 
     out = io.StringIO()
     progress = capture_progress(out)

@@ -11,6 +11,7 @@ talks to it as clients do (notebook 08). A plug-in: it imports the core, the cor
 | `metrics.py` | `GET /metrics`: requests, tokens, TTFT / ITL / end-to-end histograms, running, waiting, KV blocks (prometheus_client) |
 | `replies.py` | the OpenAI answers: a whole response, stream chunks (text, role, usage), finish reasons |
 | `server.py` | `python -m minibatch serve`: FastAPI + uvicorn over `Serving.submit`; completions and chat, streamed as server-sent events; `/v1/models`, `/health` |
+| `startup.py` | what the server does before it is ready: warm-up requests, start-up graph progress, a frozen heap |
 | `diagnostics.py` | where a serving run's time went: its timeline's busy periods (`bursts`), what each held (`window`), full garbage collections as spans (`gc_pauses`) |
 | `bench_serve.py` | `python -m minibatch bench-serve`: the official `openai` async client against any OpenAI-compatible URL, Poisson arrivals at each rate |
 | `bench_report.py` | what bench-serve reports: TTFT, TPOT, ITL, end-to-end latency percentiles, throughput, goodput; JSON merged by label; the figure |

@@ -45,55 +45,7 @@ from . import guard, handlers
 from .guard import EXIT_ENGINE_DEAD, ServeOptions
 from .handlers import ServerState, error_response
 from .protocol import BadRequest
-
-# the sampling variants a decode step takes a path of its own for (greedy, sampled, sampled with top-k/top-p:
-# sampling.py); compiled, the first two compile a token choice each and the third samples eagerly (compiled.py)
-_VARIANTS = (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=8))
-
-
-def _warm_up(state: ServerState) -> None:
-    """Short requests before the server says it is ready, so the first clients pay no first-step cost:
-    one, or with --compile one per sampling variant, one after the other, so that the forward and each
-    variant's token choice are compiled, and each variant's decode graph captured, before a client waits
-    on them."""
-    ids = list(range(1, min(9, state.model.vocab_size)))
-    for variant in _VARIANTS if state.serving.get("compile") else _VARIANTS[:1]:
-        state.served.submit(ids, max_new_tokens=2, seed=0, **variant).wait()
-
-
-def _freeze_heap() -> int:
-    """Move every object alive now (modules, the model, compiled code, the warm-up's graphs) out of
-    the garbage collector's reach -> how many. They live as long as the server; left in, each full
-    collection walks all of them while holding the interpreter lock, and a streaming server allocates
-    enough to run one every few thousand steps: a stall of every request at once (BENCHMARKS.md,
-    Serving). Collected once first, so that no garbage of the start-up is kept for good."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-def _http_stack(http: str) -> str:
-    """Which event loop and HTTP parser uvicorn runs (for "auto": what uvicorn found installed)."""
-    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    if http == "auto":
-        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    return f"event loop {loop}, HTTP {http}"
-
-
-def capture_progress(out=None):
-    """A `Serving.capture_progress` callback that says how far the start-up captures are, a line at
-    each tenth of them (they take a minute or more for an 8B model, before the server is ready)."""
-    started, said = time.monotonic(), [0]
-
-    def progress(done: int, total: int) -> None:
-        tenth = done * 10 // total
-        if tenth > said[0]:
-            said[0] = tenth
-            print(f"minibatch: start-up CUDA graphs {done}/{total} ({time.monotonic() - started:.0f} s)",
-                  file=out or sys.stderr, flush=True)
-
-    return progress
-
+from .startup import capture_progress, freeze_heap, http_stack, warm_up
 
 def _serving(engine, state: ServerState, timeline: Timeline) -> Serving:
     """The server's Serving, which says how far its start-up captures are as it starts."""
@@ -112,12 +64,12 @@ def _lifespan(state: ServerState):
         try:
             with gc_pauses(timeline), Engine(state.model) as engine, _serving(engine, state, timeline) as served:
                 state.served = served
-                await asyncio.to_thread(_warm_up, state)
-                frozen = f"; {_freeze_heap()} objects kept out of full garbage collections" if state.options.gc_freeze else ""
+                await asyncio.to_thread(warm_up, state)
+                frozen = f"; {freeze_heap()} objects kept out of full garbage collections" if state.options.gc_freeze else ""
                 if served.startup_captures:
                     frozen += f"; {served.startup_captures} CUDA graphs captured at start-up"
                 print(f"minibatch: serving {state.name!r} ({state.serving['mode']}) on {state.model.device} "
-                      f"({_http_stack(state.options.http)}); ready{frozen}", file=sys.stderr, flush=True)
+                      f"({http_stack(state.options.http)}); ready{frozen}", file=sys.stderr, flush=True)
                 ready = time.monotonic(), time.thread_time(), served.stats()["loop_cpu_s"]
                 watchdog = asyncio.ensure_future(_watch_engine(state))
                 try:
@@ -280,7 +232,7 @@ def serve(model, name: str, options: ServeOptions | None = None, sock=None, **se
     about a quarter less CPU per streamed token than asyncio's loop and the pure-Python h11
     (BENCHMARKS.md, Serving); that thread shares the interpreter, and so the GIL, with the engine's
     loop. `gc_freeze`: once warm, keep the objects alive then out of Python's full garbage
-    collections (`_freeze_heap`); the timeline records each full collection as a "gc" span either way.
+    collections (`startup.freeze_heap`); the timeline records each full collection as a "gc" span either way.
 
     SIGTERM (or SIGINT) drains: new requests get 503, running ones have `grace_period` seconds to
     finish, then the rest end (finish_reason "abort") and the process exits 0."""
