@@ -38,7 +38,7 @@ CHAPTER = {
     "minibatch.serving": 8, "minibatch.serving.server": 8, "minibatch.serving.protocol": 8,
     "minibatch.serving.bench_serve": 8, "minibatch.serving.bench_report": 8, "minibatch.serving.diagnostics": 8,
     "minibatch.serving.guard": 8, "minibatch.serving.handlers": 8, "minibatch.serving.metrics": 8,
-    "minibatch.serving.replies": 8, "minibatch.serving.startup": 8,
+    "minibatch.serving.replies": 8, "minibatch.serving.startup": 8, "minibatch.serving.chat": 8,
 }
 # the notebooks built from a source; copies of them (my_00.ipynb, 00_welcome-Copy1.ipynb) are not tests
 NOTEBOOKS = sorted(ROOT / "notebooks" / f"{src.stem}.ipynb" for src in (ROOT / "notebooks" / "src").glob("*.py"))

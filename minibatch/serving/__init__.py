@@ -6,6 +6,7 @@ talks to it as clients do (notebook 08). A plug-in: it imports the core, the cor
 | `loop.py` | `Serving(engine)`: one run sized for requests not known in advance, stepped by a `ServingLoop` in a thread of its own; `submit`, `generate`, `stats` from any thread |
 | `stream.py` | `TokenStream`: one request's tokens as they are made, read from any thread or from asyncio |
 | `protocol.py` | the OpenAI requests: bodies as pydantic models (errors name the parameter; `sampling()` makes the request's SamplingParams), the chat prompt |
+| `chat.py` | chat messages as the wire carries them (a role, text or text parts) and `plain`, the dicts a chat template takes |
 | `guard.py` | what the server checks first: api key, JSON content type, Host header, body size and time; the engine's health; `ServeOptions` |
 | `handlers.py` | one request's way: its body parsed, its prompts tokenized and submitted (a stream per choice: prompt lists, `n`), its answer whole or as server-sent events; `/tokenize`, `/detokenize`; `ServerState` |
 | `metrics.py` | `GET /metrics`: requests, tokens, TTFT / ITL / end-to-end histograms, running, waiting, KV blocks (prometheus_client) |

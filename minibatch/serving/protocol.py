@@ -35,12 +35,13 @@ next turn. Notebook 08 explains the server.
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..core.requests import MAX_LOGPROBS, SamplingParams
+from .chat import Message, plain
 
 # accepted only at the value that turns them off: the engine cannot honour anything else
 OFF_VALUES = {
@@ -207,36 +208,6 @@ class CompletionRequest(_Body):
     @property
     def max_new_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    """One chat message: a role and its text (a string, or text parts, joined)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text(cls, v):
-        if isinstance(v, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
-                raise ValueError("holds text parts only")
-            return "".join(p["text"] for p in v)
-        if not isinstance(v, str):
-            raise ValueError(f"must be a string, got {v!r}")
-        return v
-
-
-def plain(messages: list[Message]) -> list[dict]:
-    """Messages as the chat templates take them: {"role", "content"} each."""
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class ChatRequest(_Body):
