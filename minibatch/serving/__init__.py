@@ -3,7 +3,8 @@ talks to it as clients do (notebook 08). A plug-in: it imports the core, the cor
 
 | module | what it is |
 |---|---|
-| `loop.py` | `Serving(engine)`: one run sized for requests not known in advance, stepped by a `ServingLoop` in a thread of its own; `submit`, `generate`, `stats` from any thread |
+| `session.py` | `Serving(engine)`: one run sized for requests not known in advance, held while a `with` block lasts; `submit`, `generate`, `stats` from any thread |
+| `loop.py` | `ServingLoop`: the thread that steps that run, takes what arrived at each step boundary and delivers tokens as a step applies them |
 | `stream.py` | `TokenStream`: one request's tokens as they are made, read from any thread or from asyncio |
 | `protocol.py` | the OpenAI requests: bodies as pydantic models (errors name the parameter; `sampling()` makes the request's SamplingParams), the chat prompt |
 | `chat.py` | chat messages as the wire carries them (a role, text or text parts) and `plain`, the dicts a chat template takes |

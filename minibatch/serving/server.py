@@ -40,7 +40,8 @@ from ..core import VERSION as __version__
 from ..core.engine import Engine
 from ..core.timeline import Timeline
 from .diagnostics import gc_pauses
-from .loop import TIMELINE_LIMIT, Serving
+from .loop import TIMELINE_LIMIT
+from .session import Serving
 from . import guard, handlers
 from .guard import EXIT_ENGINE_DEAD, ServeOptions
 from .handlers import ServerState, error_response

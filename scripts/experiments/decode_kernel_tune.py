@@ -9,9 +9,10 @@ tokens (random keys and values, blocks of 16), and the decode batch is built as 
 Each setting runs the kernel once per layer, all captured in one CUDA graph (so that, as in a step, the
 next layer's keys are not in L2), mean of 20 replays, each kernel launched after the last (no early
 launch). Settings: BLOCK_N (keys per loop step) x num_warps x num_stages x programs per SM that
-num_splits aims for (the shipped heuristic aims for 2), and the shipped setting with its splits combined
-by the kernel's own last program instead of a second kernel (triton_decode.FOLD: "shipped+fold").
-Prints, per point, the shipped setting's time, the folded one's, the best setting's, and each against
+num_splits aims for (the shipped heuristic aims for 2), the shipped setting with its splits combined
+by the kernel's own last program instead of a second kernel (triton_decode.FOLD: "shipped+fold"), and
+the shipped one with Triton's default warps and stages (4 and 3; "defaults": triton_decode.LEAN off).
+Prints, per point, the shipped setting's time, the defaults', the folded one's, the best setting's, and each against
 the keys' and values' bytes at the copy bandwidth; checks every setting's output against the shipped
 one's (bf16 rounding; the folded one's must be equal). Writes decode_kernel_tune.json.
 """
@@ -83,18 +84,20 @@ def main() -> None:
     bw = measure_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {td.triton.__version__}, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    shipped = dict(block_n=td.BLOCK_N, warps=4, stages=3, per_sm=2)  # Triton's default warps and stages
     settings = [dict(block_n=n, warps=w, stages=s, per_sm=p)
                 for n, w, s, p in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 4, 8, 16))]
-    folded = {**shipped, "fold": True}
-    results = {"copy_bandwidth": bw, "shipped": shipped, "model": args.model, "shape": shape, "points": []}
+    results = {"copy_bandwidth": bw, "model": args.model, "shape": shape, "points": []}
     for pt in args.points.split(","):
         rows, context = (int(x) for x in pt.split("x"))
+        warps, stages = td.warps_stages(rows)
+        shipped = dict(block_n=td.BLOCK_N, warps=warps, stages=stages, per_sm=2)
+        folded = {**shipped, "fold": True}
+        defaults = dict(block_n=td.BLOCK_N, warps=4, stages=3, per_sm=2)  # Triton's default warps and stages
         cache, batch, query = setup(shape, rows, context)
         kv_bytes = shape["layers"] * rows * (context + 1) * shape["kv_heads"] * shape["dim"] * 2 * 2
         ref = None
         timed = []
-        for st in [shipped, folded] + settings:
+        for st in [shipped, folded, defaults] + settings:
             def run(st=st):
                 for layer in range(shape["layers"]):
                     launch(query, cache.keys[layer], cache.values[layer], batch, **st)
@@ -110,16 +113,16 @@ def main() -> None:
                 if type(e).__name__ != "OutOfResources":
                     raise
                 continue
-        base, fold = timed[0], timed[1]
+        base, fold, plain = timed[0], timed[1], timed[2]
         best = min(timed, key=lambda t: t[0])
         floor = kv_bytes / bw * 1e3
-        row = {"rows": rows, "context": context, "kv_floor_ms": floor, "shipped_ms": base[0],
-               "shipped_splits": base[2], "folded_ms": fold[0], "best_ms": best[0], "best": best[1],
+        row = {"rows": rows, "context": context, "kv_floor_ms": floor, "shipped": shipped, "shipped_ms": base[0],
+               "shipped_splits": base[2], "defaults_ms": plain[0], "folded_ms": fold[0], "best_ms": best[0], "best": best[1],
                "best_splits": best[2],
                "top5": [{"ms": t[0], **t[1], "splits": t[2]} for t in sorted(timed, key=lambda t: t[0])[:5]]}
         results["points"].append(row)
         print(f"{rows:4d} x {context:5d}: floor {floor:6.3f} ms  shipped {base[0]:6.3f} ({base[0] / floor:.2f}x, "
-              f"{base[2]} splits)  shipped+fold {fold[0]:6.3f} ({fold[0] / floor:.2f}x)  best {best[0]:6.3f} "
+              f"{base[2]} splits, {warps} warps, {stages} stages)  defaults {plain[0]:6.3f}  shipped+fold {fold[0]:6.3f} ({fold[0] / floor:.2f}x)  best {best[0]:6.3f} "
               f"({best[0] / floor:.2f}x) {best[1]} {best[2]} splits", flush=True)
         for t in sorted(timed, key=lambda t: t[0])[1:5]:
             print(f"{'':16} next: {t[0]:6.3f} {t[1]} {t[2]} splits", flush=True)

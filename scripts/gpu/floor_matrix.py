@@ -81,7 +81,7 @@ def parse_setting(text: str) -> tuple:
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
 SWITCHES = {"early": (early, "ENABLED"), "gated": (skinny, "GATED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
-            "fold": (triton_decode, "FOLD")}
+            "fold": (triton_decode, "FOLD"), "lean": (triton_decode, "LEAN")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
