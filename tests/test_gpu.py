@@ -11,7 +11,7 @@ from minibatch.core.buckets import KEY_BUCKETS, TOKEN_BUCKETS
 from minibatch.speed.compiled import CompiledStep
 from minibatch.tools.floors import pool_memory
 from minibatch.core.timeline import Timeline
-from minibatch.serving.session import Serving
+from minibatch.serving.service import Serving
 
 pytestmark = pytest.mark.cuda
 

@@ -34,7 +34,7 @@ CHAPTER = {
     "minibatch.model.triton_decode": 7, "minibatch.speed.siblings": 7, "minibatch.speed.skinny": 7, "minibatch.speed.early": 7, "minibatch.speed.wide_argmax": 7,
     "minibatch.speed.startup_graphs": 8,
     "minibatch.core.compat": 7, "minibatch.core.config": 0,
-    "minibatch.serving.loop": 8, "minibatch.serving.session": 8, "minibatch.serving.stream": 8, "minibatch.tools.online": 8,
+    "minibatch.serving.loop": 8, "minibatch.serving.service": 8, "minibatch.serving.stream": 8, "minibatch.tools.online": 8,
     "minibatch.serving": 8, "minibatch.serving.server": 8, "minibatch.serving.protocol": 8,
     "minibatch.serving.bench_serve": 8, "minibatch.serving.bench_report": 8, "minibatch.serving.diagnostics": 8,
     "minibatch.serving.guard": 8, "minibatch.serving.handlers": 8, "minibatch.serving.metrics": 8,

@@ -1,5 +1,5 @@
 """Serving: requests submitted while the loop runs give the tokens they give alone, and nothing past
-their end ever reaches a stream (notebook 08; minibatch/serving/session.py, loop.py, stream.py)."""
+their end ever reaches a stream (notebook 08; minibatch/serving/service.py, loop.py, stream.py)."""
 
 import asyncio
 import os
@@ -11,7 +11,7 @@ import pytest
 
 import minibatch
 from minibatch.serving.loop import QueueFull
-from minibatch.serving.session import Serving
+from minibatch.serving.service import Serving
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are raised", "The import system",
            "Assignment statements", "A string literal", "def f(x):", "Lists are"]

@@ -13,7 +13,7 @@ from minibatch.core.buckets import ROW_BUCKETS
 from minibatch.core.graphs import pad_flat
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.scheduler import Scheduler
-from minibatch.serving.session import Serving
+from minibatch.serving.service import Serving
 from minibatch.speed.startup_graphs import flat_buckets, padding_decode_batch, padding_flat_batch
 
 

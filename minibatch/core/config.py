@@ -131,7 +131,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 def serving_config(model, config: EngineConfig, reusable_bytes: int = 0) -> RunConfig:
     """A serving run's RunConfig: sized once, for `max_batch_size` requests (default 8) of the model's
     whole context (or `num_blocks` KV blocks), and checked as make_config checks any run.
-    `Serving` (minibatch/serving/session.py) opens its run with it; a server calls it before it
+    `Serving` (minibatch/serving/service.py) opens its run with it; a server calls it before it
     listens, so bad limits are refused before any client connects.
 
     CUDA graphs default to decode steps only here (`cuda_graphs="decode"`), where an offline run

@@ -10,7 +10,7 @@ loops it steps are notebooks 01 and 06, serving is notebook 08).
 
 `engine.generate(prompts, ...)` does all of that, and `minibatch.generate(model, ...)` is a thin
 wrapper that builds an engine for one call. Serving requests that arrive while it runs is a plug-in
-(minibatch/serving/session.py, notebook 08): `Serving(engine)` opens a run sized once
+(minibatch/serving/service.py, notebook 08): `Serving(engine)` opens a run sized once
 (`open_run`) and steps it from a background thread. Keep an engine to keep its resources: CUDA graphs are
 bound to the addresses of the cache and the slots, so an engine keeps the resource sets of its last
 `keep` shapes (least recently used first out) and the next run of a kept shape captures nothing.

@@ -188,17 +188,17 @@ if triton is not None:
         tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-#: Whether the decode kernel runs with 2 warps and 2 pipeline stages at 4-32 rows (4 warps and 3 stages,
-#: Triton's defaults, otherwise): at those rows each program's chunk of keys is small and the smaller
-#: program loses nothing while twice as many fit on an SM (decode_kernel_tune.py on an H200: the best or
-#: within 1% of it at 4-32 rows at both the 0.6B and 8B shapes, where the defaults are 4-13% slower;
-#: at 1 row and at 128 the defaults are as fast or faster). False: the defaults at every row count.
+#: Whether the decode kernel runs with 2 warps and 2 pipeline stages at 4-64 rows (4 warps and 3 stages,
+#: Triton's defaults, otherwise): there each program reads few keys per loop step, and with half the
+#: threads twice as many programs fit on an SM. Why these bounds: decode_kernel_tune.py on an H200 timed it
+#: 4-9% faster than the defaults at every point from 4 to 64 rows (0.6B and 8B shapes), the same at 1 row;
+#: at 2 rows neither was best, and 128 rows at 2048 keys was not timed. False: the defaults always.
 LEAN = True
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the decode kernel for a batch of `rows` (`LEAN`)."""
-    return (2, 2) if LEAN and 4 <= rows <= 32 else (4, 3)
+    return (2, 2) if LEAN and 4 <= rows <= 64 else (4, 3)
 
 
 #: Whether the splits' partial results are combined by the last program of each (row, kv head) to finish

@@ -3,7 +3,7 @@ talks to it as clients do (notebook 08). A plug-in: it imports the core, the cor
 
 | module | what it is |
 |---|---|
-| `session.py` | `Serving(engine)`: one run sized for requests not known in advance, held while a `with` block lasts; `submit`, `generate`, `stats` from any thread |
+| `service.py` | `Serving(engine)`: one run sized for requests not known in advance, held while a `with` block lasts; `submit`, `generate`, `stats` from any thread |
 | `loop.py` | `ServingLoop`: the thread that steps that run, takes what arrived at each step boundary and delivers tokens as a step applies them |
 | `stream.py` | `TokenStream`: one request's tokens as they are made, read from any thread or from asyncio |
 | `protocol.py` | the OpenAI requests: bodies as pydantic models (errors name the parameter; `sampling()` makes the request's SamplingParams), the chat prompt |

@@ -1,6 +1,6 @@
 """The loop that serves requests arriving while the engine runs, from a thread of its own (notebook 08).
 
-A plug-in: the core's Engine knows nothing of it. `Serving` (session.py) holds the engine for as long
+A plug-in: the core's Engine knows nothing of it. `Serving` (service.py) holds the engine for as long
 as a `with` block lasts, opens one run sized for requests not known in advance and steps it from a
 `ServingLoop`, this module's class. Every caller goes through that loop. A turn:
 

@@ -41,7 +41,7 @@ from ..core.engine import Engine
 from ..core.timeline import Timeline
 from .diagnostics import gc_pauses
 from .loop import TIMELINE_LIMIT
-from .session import Serving
+from .service import Serving
 from . import guard, handlers
 from .guard import EXIT_ENGINE_DEAD, ServeOptions
 from .handlers import ServerState, error_response

@@ -29,7 +29,7 @@ def arrival_times(n: int, rate: float, seed: int = 0, burstiness: float = 1.0) -
 
 def run_arrivals(server, prompts: list, rate: float, max_new_tokens: int, seed: int = 0,
                  progress=None) -> list:
-    """Submit prompts to a serving engine (a serving.session.Serving) at Poisson arrival times (from a thread of their own, as
+    """Submit prompts to a serving engine (a serving.service.Serving) at Poisson arrival times (from a thread of their own, as
     clients would); wait for every stream; return the streams in submission order."""
     times = arrival_times(len(prompts), rate, seed)
     streams: list = []
@@ -66,7 +66,7 @@ def compare(model, prompts: list, rates: list[float], max_new_tokens: int, modes
     a row of `summarize` each. A warm-up pass (all at once) first fills the caches and captures the
     CUDA graphs of each mode. `serving`: Serving's options (max_batch_size=..., compile=...)."""
     from ..core.engine import Engine
-    from ..serving.session import Serving
+    from ..serving.service import Serving
 
     rows = []
     bar = None

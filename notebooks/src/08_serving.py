@@ -23,7 +23,7 @@ import minibatch
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.timeline import Timeline
 from minibatch.serving.diagnostics import bursts, window
-from minibatch.serving.session import Serving
+from minibatch.serving.service import Serving
 from minibatch.tools.online import arrival_times, compare, summarize
 
 torch.manual_seed(0)
@@ -92,7 +92,7 @@ print("".join(a), "".join(b))
 #
 # ## 2. Submit, stream, cancel
 #
-# `Serving(engine, ...)` (`minibatch/serving/session.py`) starts the loop thread for the length of a `with` block; its `submit`
+# `Serving(engine, ...)` (`minibatch/serving/service.py`) starts the loop thread for the length of a `with` block; its `submit`
 # returns a stream at once, from any thread. Iterating the stream gives chunks as they are made, each with its
 # new tokens and the text they add:
 
