@@ -274,6 +274,34 @@ def small_models_combo() -> dict:
     return out
 
 
+def small_models_switches() -> dict:
+    """The 0.6B shape's compiled decode step against the four levers built off by default (floor_matrix.py
+    --variants: wide, fold, all / nofold), then with the decode kernel's 2 warps and 2 stages against
+    Triton's defaults (--variants defaults:lean=0); and that kernel alone at both shapes
+    (decode_kernel_tune.py); one H200."""
+    run = DATA / "runs/gpu_small_models_switches_2026-12-05/"
+    out = {}
+    for f in sorted(run.glob("*_floor_matrix_qwen3-0.6b-shape_*.json")):
+        stage = "lean" if f.stem.endswith("_lean") else "switches"
+        for p in json.loads(f.read_text())["points"]:
+            key = f"q06_b{p['batch']}_{stage}"
+            out[f"{key}_floor_ms"] = p["floor_ms"]
+            for path, v in p.items():
+                if isinstance(v, dict) and "ms" in v and path != "default":
+                    out[f"{key}_{path}_ms"] = v["ms"]
+                    out[f"{key}_{path}_x"] = v["over_floor"]
+    for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-8b-shape", "l8b")):
+        for f in run.glob(f"*_decode_kernel_tune_{model}.json"):
+            for p in json.loads(f.read_text())["points"]:
+                key = f"{short}_attention_{p['rows']}x{p['context']}"
+                out[f"{key}_shipped_ms"] = p["shipped_ms"]
+                out[f"{key}_folded_ms"] = p["folded_ms"]
+                out[f"{key}_best_ms"] = p["best_ms"]
+                if "defaults_ms" in p:
+                    out[f"{key}_defaults_ms"] = p["defaults_ms"]
+    return out
+
+
 def _kernel_ms(path: dict, part: str) -> float:
     """ms per step of the kernels in a floor-matrix path's --kernels top list whose name holds `part`."""
     return sum(ms for name, ms, _ in path["kernels"]["top"] if part in name and name.startswith("other:"))
@@ -301,7 +329,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving": serving, "serving_graphs": serving_graphs, "serving_compile": serving_compile,
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
-            "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo}
+            "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
+            "small_models_switches": small_models_switches}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -339,7 +368,11 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                                 "figures/data/runs/gpu_small_models_pdl_2026-12-04/floor_matrix_llama3-1b-shape.json"],
            "small_models_combo": [f"figures/data/runs/gpu_small_models_combo_2026-12-04/{f}.json" for f in (
                "floor_matrix_qwen3-0.6b-shape", "floor_matrix_qwen3-0.6b-shape_b8", "floor_matrix_llama3-1b-shape",
-               "2_argmax_combo_bench_qwen3-0.6b-shape")]}
+               "2_argmax_combo_bench_qwen3-0.6b-shape")],
+           "small_models_switches": [f"figures/data/runs/gpu_small_models_switches_2026-12-05/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1", "2_floor_matrix_qwen3-0.6b-shape_b4",
+               "2_floor_matrix_qwen3-0.6b-shape_b8", "3_decode_kernel_tune_qwen3-0.6b-shape",
+               "4_decode_kernel_tune_llama3-8b-shape", "4_floor_matrix_qwen3-0.6b-shape_lean")]}
 
 
 def derive() -> dict:

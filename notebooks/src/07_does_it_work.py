@@ -564,6 +564,76 @@ for p, a, b in zip(steps, one, two):
 # share, is where the rest would come from.
 
 # %% [markdown]
+# ### Half the threads for the attention, and four ideas that did not pay
+#
+# The attention kernel had run with Triton's default launch: 4 warps (128 threads) per program and a
+# 3-deep pipeline of key chunks. At 4 to 64 rows each program reads only a few chunks of keys, so a deep
+# pipeline has little to overlap, and a program half the size lets twice as many share a multiprocessor.
+# `scripts/experiments/decode_kernel_tune.py` times the kernel alone (every layer in one CUDA graph) at
+# every launch setting; 2 warps and 2 stages came out ahead of the defaults at every point from 4 to 64
+# rows, so that is what `triton_decode.warps_stages` now picks there (`triton_decode.LEAN`). Four other
+# changes were built and timed the same way, each against the same compiled step in one process
+# (`floor_matrix.py --variants`): the merged q/k/v and gate/up products on our few-row kernel
+# (`widest=...`), the attention's split combined by its own last program instead of a second kernel
+# (`fold=1`), and the 2048-input product in one piece with the carry-over as one compiled kernel
+# (`one_piece=1, carry=1`, measured together with the first):
+
+# %%
+SWITCHES = DATA + "runs/gpu_small_models_switches_2026-12-05/"
+tune = json.load(open(SWITCHES + "4_decode_kernel_tune_llama3-8b-shape.json"))["points"]
+
+
+def lean_ms(p):
+    """The kernel's time with 2 warps and 2 stages (per_sm 2, 64 keys a loop step) at one tuned point."""
+    if p["shipped"]["warps"] == 2:
+        return p["shipped_ms"]
+    return next(t["ms"] for t in p["top5"] if (t["block_n"], t["warps"], t["stages"], t["per_sm"]) == (64, 2, 2, 2))
+
+
+points = [p for p in tune if 4 <= p["rows"] <= 64]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+xs = range(len(points))
+ax1.bar([x for x in xs], [p["defaults_ms"] for p in points], width=0.4, label="4 warps, 3 stages (Triton's defaults)")
+ax1.bar([x + 0.4 for x in xs], [lean_ms(p) for p in points], width=0.4, label="2 warps, 2 stages")
+ax1.set_xticks([x + 0.2 for x in xs], [f"{p['rows']} x {p['context']}" for p in points], fontsize=8)
+ax1.set_xlabel("rows x keys")
+ax1.set_ylabel("ms, 32 layers")
+ax1.set_title("8B shape's decode attention alone (H200)", fontsize=10)
+ax1.legend(fontsize=7)
+runs = {p["batch"]: p for f in ("1_floor_matrix_qwen3-0.6b-shape_b1", "2_floor_matrix_qwen3-0.6b-shape_b4",
+                                "2_floor_matrix_qwen3-0.6b-shape_b8")
+        for p in json.load(open(SWITCHES + f + ".json"))["points"]}
+lean = {p["batch"]: p for p in json.load(open(SWITCHES + "4_floor_matrix_qwen3-0.6b-shape_lean.json"))["points"]}
+changes = [("merged products on our kernel", lambda b: runs[b]["wide"]["ms"] - runs[b]["compile"]["ms"]),
+           ("combine folded in", lambda b: runs[b]["fold"]["ms"] - runs[b]["compile"]["ms"]),
+           ("merged + one piece + carry-over (+ fold at batch 1)", lambda b: runs[b]["nofold" if b > 1 else "all"]["ms"] - runs[b]["compile"]["ms"]),
+           ("2 warps, 2 stages", lambda b: lean[b]["compile"]["ms"] - lean[b]["defaults"]["ms"] if b in lean else 0.0)]
+for i, (label, delta) in enumerate(changes):
+    ax2.bar([x + 0.2 * i for x in range(3)], [1e3 * delta(b) for b in (1, 4, 8)], width=0.2, label=label)
+ax2.axhline(0, color="black", linewidth=0.8)
+ax2.set_ylim(-50, 175)  # (room for the legend above the bars)
+ax2.set_xticks([0.3, 1.3, 2.3], ["batch 1", "batch 4", "batch 8"])
+ax2.set_ylabel("microseconds per step (+ slower)")
+ax2.set_title("qwen3-0.6b-shape compiled step, each change", fontsize=10)
+ax2.legend(fontsize=7)
+fig.tight_layout()
+fig.savefig(f"{FIGURES}/07_small_model_switches_gpu.png", dpi=110)
+print(f"{'batch':>5} " + " ".join(f"{label[:30]:>30}" for label, _ in changes) + "   (us per step against the same step without it)")
+for b in (1, 4, 8):
+    print(f"{b:5d} " + " ".join(f"{1e3 * delta(b):30.1f}" for _, delta in changes))
+
+# %% [markdown]
+# Two warps and two stages take the 0.6B step from 1.13 to 1.11 <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_defaults_ms, small_models_switches.q06_b4_lean_compile_ms --> ms at batch 4,
+# and at batch 8 from 1.26 to 1.22 <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_defaults_ms, small_models_switches.q06_b8_lean_compile_ms --> ms: 3.21x <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_compile_x --> and 3.04x <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_compile_x --> its floor. At batch 1 the
+# launch stays as it was; there the defaults were as fast. The other four stay off. Folding the combine
+# into the attention kernel made every step slower (at batch 4, 1.15 to 1.24 <!-- from figures/data/headline.json: small_models_switches.q06_b4_switches_compile_ms, small_models_switches.q06_b4_switches_fold_ms --> ms), and the kernel
+# alone was slower wherever it splits the keys. The merged products on our own kernel saved 0.02 ms
+# at batch 1 and cost as much at batch 8, where eight rows are past what a few-row kernel does well;
+# the product in one piece and the carry-over as one kernel moved the step by less than two compiles
+# of the same step differ. What stands between the step and 3x its floor is the count of kernels,
+# about 300 a step, each a few microseconds long.
+
+# %% [markdown]
 # ## 4. Where asynchrony helps most
 #
 # The async loop hides the host's work behind the device's. It helps most when the host's share of a
