@@ -23,7 +23,7 @@ CHAPTER = {
     "minibatch.core.scheduler": 1, "minibatch.core.batch": 1, "minibatch.core.decode_keys": 1,
     "minibatch.core.sampling": 1, "minibatch.core.penalties": 8, "minibatch.core.prefix_cache": 8, "minibatch.core.sync_loop": 1, "minibatch.core.timeline": 1,
     "minibatch.devices": 2, "minibatch.core.device": 2, "minibatch.devices.cpu": 2, "minibatch.devices.cpu_channel": 2, "minibatch.devices.cpu_process": 2,
-    "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2,
+    "minibatch.devices.names": 2, "minibatch.devices.settings": 2, "minibatch.devices.threads": 2, "minibatch.devices.thread_streams": 2,
     "minibatch.devices.cuda": 2, "minibatch.devices.lifecycle": 2, "minibatch.devices.limits": 2,
     "minibatch.core.slots": 4, "minibatch.core.buckets": 4, "minibatch.core.launch": 4,
     "minibatch.core.graphs": 4, "minibatch.speed": 7, "minibatch.speed.compiled": 7,

@@ -27,6 +27,7 @@ and all later work waits for it: concurrency gone (notebook 02).
   cpu-threads  the same device as worker threads of the host's interpreter (devices/threads.py):
                really concurrent, but sharing the host's GIL; device work may touch host objects.
 
+  thread_streams.py  the cpu-threads device's streams (a worker thread and its queue each) and events.
   cpu_process.py  the cpu device's process: its message loop, running work on its streams.
   cpu_channel.py  the host's end of that process's socket: messages queued and sent, replies read.
   names.py      how work's objects travel to the cpu device process (shared storages, named objects).
