@@ -65,43 +65,18 @@ def test_kernel_matches_the_einsum_reference(ctx_lens, window, splits):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("ctx_lens,window,splits", [([150, 7, 260], None, 3), ([300], 40, 5), ([70, 200], None, None)])
-def test_folded_combine_gives_the_same_output(ctx_lens, window, splits, monkeypatch):
-    """FOLD: the last program of each (row, kv head) combines the splits instead of a second kernel. Same
-    output bit for bit (the same arithmetic in the same order), and every count is back at zero after each
-    call (a second call, as a CUDA graph's next replay makes, sees the same)."""
+@pytest.mark.parametrize("ctx_lens,splits", [([150, 7, 260, 40], 3), ([70, 200, 9, 31, 5], None)])
+def test_the_lean_launch_gives_the_defaults_output(ctx_lens, splits, monkeypatch):
+    """At 4-64 rows the kernel runs 2 warps and 2 stages (triton_decode.LEAN): the same output as with
+    Triton's defaults (4 and 3), up to float32 rounding, with and without a split over the keys."""
     cache, batch = _decode_batch(ctx_lens)
+    assert 4 <= batch.decode_rows <= 64 and triton_decode.warps_stages(batch.decode_rows) == (2, 2)
     query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
-    args = (query, cache.keys[0], cache.values[0], batch, window, None, splits)
-    want = triton_decode.decode_attention(*args)
-    monkeypatch.setattr(triton_decode, "FOLD", True)
-    for _ in range(2):
-        got = triton_decode.decode_attention(*args)
-        assert torch.equal(got, want)
-        counts = [c for key, c in triton_decode._COUNTS.items() if key[0] == query.device]
-        assert counts and all(int(c.abs().sum()) == 0 for c in counts)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_folded_combine_in_a_cuda_graph_replays_the_same(monkeypatch):
-    """FOLD inside a captured CUDA graph (how compiled steps run it): every replay gives the two-kernel
-    path's output, because the last program of each (row, head) leaves its count at zero for the next."""
-    cache, batch = _decode_batch([150, 7, 260])
-    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
-    args = (query, cache.keys[0], cache.values[0], batch, None, None, 3)
-    want = triton_decode.decode_attention(*args)
-    monkeypatch.setattr(triton_decode, "FOLD", True)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        triton_decode.decode_attention(*args)  # (compiles the kernel, makes the counts)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            got = triton_decode.decode_attention(*args)
-    for _ in range(3):
-        got.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
+    args = (query, cache.keys[0], cache.values[0], batch, None, None, splits)
+    lean = triton_decode.decode_attention(*args)
+    monkeypatch.setattr(triton_decode, "LEAN", False)
+    assert triton_decode.warps_stages(batch.decode_rows) == (4, 3) == triton_decode.warps_stages(1)
+    torch.testing.assert_close(triton_decode.decode_attention(*args), lean, atol=1e-5, rtol=1e-5)
 
 
 def test_split_count():

@@ -33,11 +33,6 @@ small kernel combines them:
 than one BLOCK_N chunk of keys. On Hopper and later, inside compiled steps, both kernels are launched
 early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
 kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
-
-An experiment, off until timed on a GPU (`FOLD`): no second kernel. Each program adds one to a count
-of its (row, kv head) once its partials are stored, and the one that finds itself last combines them,
-in split order, so the result does not depend on which program that is (the same bits as the second
-kernel's).
 """
 
 from __future__ import annotations
@@ -79,11 +74,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
-                       m_ptr, l_ptr, acc_ptr, count_ptr,
+                       m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr):
+                       LINE: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -132,8 +127,6 @@ if triton is not None:
             tl.store(m_ptr + at, m_i, mask=offs_g < G)
             tl.store(l_ptr + at, l_i, mask=offs_g < G)
             tl.store(acc_ptr + at[:, None] * D + offs_d[None, :], acc, mask=gmask)
-            if FOLD:  # the last of this (row, head)'s programs to get here combines the splits itself
-                _combine_if_last(count_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, r, h, so_r, so_h, G, BLOCK_S, D)
         else:
             out = acc / l_i[:, None]
             tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -147,74 +140,30 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         h = tl.program_id(1)
-        _combine_one(m_ptr, l_ptr, acc_ptr, o_ptr + r * so_r + h * so_h, (r * H + h) * S, S, BLOCK_S, D, False)
-
-    @triton.jit
-    def _combine_if_last(count_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, r, h, so_r, so_h, G: tl.constexpr,
-                         BLOCK_S: tl.constexpr, D: tl.constexpr):
-        """FOLD: count this program done on its (row, kv head)'s counter; the last one combines the G heads."""
-        n_split = tl.num_programs(2)
-        tl.debug_barrier()  # (every thread's partials stored before the count says so)
-        count = count_ptr + r * tl.num_programs(1) + h
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-            tl.store(count, 0)  # (zero again for the next call: no kernel has to clear it)
-            first = (r * tl.num_programs(1) * G + h * G) * n_split
-            for g in tl.static_range(G):
-                _combine_one(m_ptr, l_ptr, acc_ptr, o_ptr + r * so_r + (h * G + g) * so_h,
-                             first + g * n_split, n_split, BLOCK_S, D, True)
-
-    @triton.jit
-    def _combine_one(m_ptr, l_ptr, acc_ptr, out_ptr, first, S, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                     OTHERS: tl.constexpr):
-        """One query head's output from its S partials (at first .. first + S - 1). OTHERS: the partials
-        were written by other programs of the running kernel, so they are read from L2 (the SM's own
-        cache may hold an older copy of those addresses)."""
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, D)
         smask = offs_s < S
-        at = first + offs_s
-        if OTHERS:
-            m = tl.load(m_ptr + at, mask=smask, other=float("-inf"), cache_modifier=".cg")
-            l = tl.load(l_ptr + at, mask=smask, other=0.0, cache_modifier=".cg")
-            acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0,
-                          cache_modifier=".cg")
-        else:
-            m = tl.load(m_ptr + at, mask=smask, other=float("-inf"))
-            l = tl.load(l_ptr + at, mask=smask, other=0.0)
-            acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        at = (r * H + h) * S + offs_s
+        m = tl.load(m_ptr + at, mask=smask, other=float("-inf"))
+        l = tl.load(l_ptr + at, mask=smask, other=0.0)
+        acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # a split that saw no visible key adds 0
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+        tl.store(o_ptr + r * so_r + h * so_h + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 #: Whether the decode kernel runs with 2 warps and 2 pipeline stages at 4-64 rows (4 warps and 3 stages,
-#: Triton's defaults, otherwise): there each program reads few keys per loop step, and with half the
-#: threads twice as many programs fit on an SM. Why these bounds: decode_kernel_tune.py on an H200 timed it
-#: 4-9% faster than the defaults at every point from 4 to 64 rows (0.6B and 8B shapes), the same at 1 row;
-#: at 2 rows neither was best, and 128 rows at 2048 keys was not timed. False: the defaults always.
+#: Triton's defaults, otherwise). Measured, not derived: decode_kernel_tune.py on an H200 timed it 4-9%
+#: faster than the defaults at every point from 4 to 64 rows (0.6B and 8B shapes), the same at 1 row; at 2
+#: rows neither was best, and 128 rows at 2048 keys was not timed. (Compiled for sm_90, the smaller program
+#: fits 5 to an SM instead of 4: scripts/experiments/kernel_resources.py.) False: the defaults always.
 LEAN = True
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the decode kernel for a batch of `rows` (`LEAN`)."""
     return (2, 2) if LEAN and 4 <= rows <= 64 else (4, 3)
-
-
-#: Whether the splits' partial results are combined by the last program of each (row, kv head) to finish
-#: (a count per pair, kept zero between calls: `_counts`) instead of by a second kernel
-FOLD = False
-_COUNTS: dict = {}
-
-
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counts for `n` (row, kv head) pairs, one set per device, stream and size, made once and
-    kept (a captured CUDA graph goes on using the address it saw): every program of a pair adds one, and the
-    last sets it back to zero. One set per stream, so that kernels running at once never share a count."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, n)
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(n, device=device, dtype=torch.int32)
-    return _COUNTS[key]
 
 
 def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: int = 2,
@@ -267,11 +216,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows: int, window: int, scaling: float,
-           splits: int, block_n: int = BLOCK_N, warps: int = 0, stages: int = 0, fold: bool | None = None,
+           splits: int, block_n: int = BLOCK_N, warps: int = 0, stages: int = 0,
            pdl: bool | None = None) -> torch.Tensor:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
-    step, warps and pipeline stages (0: `warps_stages`), split count (0: `num_splits`), `fold` (None: FOLD),
-    `pdl` (None: early inside compiled steps on GPUs that have it)."""
+    step, warps and pipeline stages (0: `warps_stages`), split count (0: `num_splits`), `pdl` (None: early
+    inside compiled steps on GPUs that have it)."""
     if not warps or not stages:
         warps, stages = warps or warps_stages(rows)[0], stages or warps_stages(rows)[1]
     heads, dim = query.shape[1], query.shape[3]
@@ -290,18 +239,16 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
     keys_per_split, splits = split_keys(width, splits, block_n)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
-    fold = (FOLD if fold is None else fold) and splits > 1
-    count = _counts(query.device, rows * kv_heads) if fold else o
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial, count,
+        q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), width, keys_per_split, scaling,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
-        LINE=min(dim, 128 // k_cache.element_size()), FOLD=fold, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        LINE=min(dim, 128 // k_cache.element_size()),
         num_warps=warps, num_stages=stages, **early,
     )
-    if splits > 1 and not fold:
+    if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,
                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim, PDL=pdl, **early)
     return out

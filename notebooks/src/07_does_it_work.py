@@ -568,14 +568,15 @@ for p, a, b in zip(steps, one, two):
 #
 # The attention kernel had run with Triton's default launch: 4 warps (128 threads) per program and a
 # 3-deep pipeline of key chunks. At 4 to 64 rows each program reads only a few chunks of keys, so a deep
-# pipeline has little to overlap, and a program half the size lets twice as many share a multiprocessor.
-# `scripts/experiments/decode_kernel_tune.py` times the kernel alone (every layer in one CUDA graph) at
+# pipeline has little to overlap, and a smaller program leaves room for one more on each multiprocessor
+# (5 instead of 4, `scripts/experiments/kernel_resources.py`). That it is faster is a measurement, not a
+# derivation: `scripts/experiments/decode_kernel_tune.py` times the kernel alone (every layer in one CUDA graph) at
 # every launch setting; 2 warps and 2 stages came out ahead of the defaults at every point from 4 to 64
 # rows, so that is what `triton_decode.warps_stages` now picks there (`triton_decode.LEAN`). Four other
 # changes were built and timed the same way, each against the same compiled step in one process
 # (`floor_matrix.py --variants`): the merged q/k/v and gate/up products on our few-row kernel
 # (`widest=...`), the attention's split combined by its own last program instead of a second kernel
-# (`fold=1`), and the 2048-input product in one piece with the carry-over as one compiled kernel
+# (`fold=1`, since taken out of the code), and the 2048-input product in one piece with the carry-over as one compiled kernel
 # (`one_piece=1, carry=1`, measured together with the first):
 
 # %%

@@ -9,12 +9,10 @@ tokens (random keys and values, blocks of 16), and the decode batch is built as 
 Each setting runs the kernel once per layer, all captured in one CUDA graph (so that, as in a step, the
 next layer's keys are not in L2), mean of 20 replays, each kernel launched after the last (no early
 launch). Settings: BLOCK_N (keys per loop step) x num_warps x num_stages x programs per SM that
-num_splits aims for (the shipped heuristic aims for 2), the shipped setting with its splits combined
-by the kernel's own last program instead of a second kernel (triton_decode.FOLD: "shipped+fold"), and
-the shipped one with Triton's default warps and stages (4 and 3; "defaults": triton_decode.LEAN off).
-Prints, per point, the shipped setting's time, the defaults', the folded one's, the best setting's, and each against
-the keys' and values' bytes at the copy bandwidth; checks every setting's output against the shipped
-one's (bf16 rounding; the folded one's must be equal). Writes decode_kernel_tune.json.
+num_splits aims for (the shipped heuristic aims for 2), and the shipped one with Triton's default warps
+and stages (4 and 3; "defaults": triton_decode.LEAN off). Prints, per point, the shipped setting's time,
+the defaults', the best setting's, and each against the keys' and values' bytes at the copy bandwidth;
+checks every setting's output against the shipped one's (bf16 rounding). Writes decode_kernel_tune.json.
 """
 
 from __future__ import annotations
@@ -61,14 +59,14 @@ def attention_shape(model: str) -> dict:
             "dim": c.get("head_dim", c["hidden_size"] // heads)}
 
 
-def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int, per_sm: int, fold: bool = False):
+def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int, per_sm: int):
     """triton_decode.launch with the split count num_splits picks when it aims for `per_sm` programs per SM;
     returns the output and the splits launched."""
     rows = batch.decode_rows
     width = batch.kv_indices.shape[0] // rows
     splits = td.num_splits(rows, k_cache.shape[1], width, query.device, per_sm, block_n)
     out = td.launch(query, k_cache, v_cache, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, 0,
-                    query.shape[3] ** -0.5, splits, block_n=block_n, warps=warps, stages=stages, fold=fold, pdl=False)
+                    query.shape[3] ** -0.5, splits, block_n=block_n, warps=warps, stages=stages, pdl=False)
     return out, td.split_keys(width, splits, block_n)[1]
 
 
@@ -91,13 +89,12 @@ def main() -> None:
         rows, context = (int(x) for x in pt.split("x"))
         warps, stages = td.warps_stages(rows)
         shipped = dict(block_n=td.BLOCK_N, warps=warps, stages=stages, per_sm=2)
-        folded = {**shipped, "fold": True}
         defaults = dict(block_n=td.BLOCK_N, warps=4, stages=3, per_sm=2)  # Triton's default warps and stages
         cache, batch, query = setup(shape, rows, context)
         kv_bytes = shape["layers"] * rows * (context + 1) * shape["kv_heads"] * shape["dim"] * 2 * 2
         ref = None
         timed = []
-        for st in [shipped, folded, defaults] + settings:
+        for st in [shipped, defaults] + settings:
             def run(st=st):
                 for layer in range(shape["layers"]):
                     launch(query, cache.keys[layer], cache.values[layer], batch, **st)
@@ -106,23 +103,23 @@ def main() -> None:
                 if ref is None:
                     ref = got.float()
                 err = ((got.float() - ref).norm() / ref.norm()).item()
-                if err > 1e-2 or (st is folded and err != 0):
+                if err > 1e-2:
                     raise AssertionError(f"{pt} {st}: output differs from the shipped setting's by {err:.2e}")
                 timed.append((graph_replay_ms(run), st, splits, err))
             except Exception as e:  # noqa: BLE001 - a setting that needs more shared memory than an SM has
                 if type(e).__name__ != "OutOfResources":
                     raise
                 continue
-        base, fold, plain = timed[0], timed[1], timed[2]
+        base, plain = timed[0], timed[1]
         best = min(timed, key=lambda t: t[0])
         floor = kv_bytes / bw * 1e3
         row = {"rows": rows, "context": context, "kv_floor_ms": floor, "shipped": shipped, "shipped_ms": base[0],
-               "shipped_splits": base[2], "defaults_ms": plain[0], "folded_ms": fold[0], "best_ms": best[0], "best": best[1],
+               "shipped_splits": base[2], "defaults_ms": plain[0], "best_ms": best[0], "best": best[1],
                "best_splits": best[2],
                "top5": [{"ms": t[0], **t[1], "splits": t[2]} for t in sorted(timed, key=lambda t: t[0])[:5]]}
         results["points"].append(row)
         print(f"{rows:4d} x {context:5d}: floor {floor:6.3f} ms  shipped {base[0]:6.3f} ({base[0] / floor:.2f}x, "
-              f"{base[2]} splits, {warps} warps, {stages} stages)  defaults {plain[0]:6.3f}  shipped+fold {fold[0]:6.3f} ({fold[0] / floor:.2f}x)  best {best[0]:6.3f} "
+              f"{base[2]} splits, {warps} warps, {stages} stages)  defaults {plain[0]:6.3f}  best {best[0]:6.3f} "
               f"({best[0] / floor:.2f}x) {best[1]} {best[2]} splits", flush=True)
         for t in sorted(timed, key=lambda t: t[0])[1:5]:
             print(f"{'':16} next: {t[0]:6.3f} {t[1]} {t[2]} splits", flush=True)

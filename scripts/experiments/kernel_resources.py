@@ -40,10 +40,10 @@ INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr")
 FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
 
 
-def decode_settings(group: int, split: bool, pdl: bool, fold: bool = False) -> dict:
+def decode_settings(group: int, split: bool, pdl: bool) -> dict:
     """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits)."""
     return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
-                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FOLD=fold, BLOCK_S=16)
+                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64)
 
 
 def skinny_settings(rows: int, pdl: bool, gated: bool = False) -> dict:
@@ -60,9 +60,9 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
     for group, heads, model in ((2, 16, "0.6B"), (4, 32, "8B")):
         ints = dict(sq_r=128, sq_h=4 * 128, sk_s=8 * 128, sk_h=128, sv_s=8 * 128, sv_h=128, so_r=heads * 128, so_h=128,
                     L=576, keys_per_split=64)
-        for pdl, fold in ((False, False), (True, False), (True, True)):
-            out.append((f"decode attention, {model}, pdl={int(pdl)}{', fold' if fold else ''}",
-                        triton_decode._decode_kernel, decode_settings(group, True, pdl, fold), ints, 4, 3))
+        for pdl, (warps, stages) in ((False, (4, 3)), (True, (4, 3)), (True, (2, 2))):  # 2, 2: at 4-64 rows
+            out.append((f"decode attention, {model}, pdl={int(pdl)}, {warps} warps, {stages} stages",
+                        triton_decode._decode_kernel, decode_settings(group, True, pdl), ints, warps, stages))
     out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
                 dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
     for rows, pdl, gated in ((1, False, False), (1, True, False), (4, False, False), (4, True, False), (4, True, True)):

@@ -28,8 +28,8 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 `inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
 skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
-the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with fold=1 the
-decode attention's splits combined by the attention kernel's own last program (triton_decode.FOLD), with
+the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with lean=0 the
+decode attention with Triton's default warps and stages at every batch (triton_decode.LEAN), with
 one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
 carry-over as one compiled kernel (compiled.CARRY_OVER).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
@@ -81,15 +81,15 @@ def parse_setting(text: str) -> tuple:
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
 SWITCHES = {"early": (early, "ENABLED"), "gated": (skinny, "GATED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
-            "fold": (triton_decode, "FOLD"), "lean": (triton_decode, "LEAN")}
+            "lean": (triton_decode, "LEAN")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
     """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
     (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
-    wide_argmax.ENABLED), fold=0/1 (the decode attention's splits combined by its own last program:
-    triton_decode.FOLD), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
+    wide_argmax.ENABLED), lean=0/1 (the decode attention's 2 warps and 2 stages at 4-64 rows:
+    triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
@@ -200,8 +200,8 @@ def main() -> None:
                          "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
                          "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
-                         "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); fold=1 combines the "
-                         "decode attention's splits in its own last program (triton_decode.FOLD); one_piece=1 sets "
+                         "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
+                         "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
                          "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
