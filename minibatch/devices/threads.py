@@ -10,6 +10,7 @@ and races are real, not drawn:
     compute         ╎wait ████ forward (torch, releases the GIL) ████ ●done
     D2H                                                             ╎wait █copy█ ●d2h_done
 
+The streams and events are in thread_streams.py; this module has the device that holds them.
 `record(ev)` queues a marker; when the worker reaches it, the event is reached. `wait(ev)` queues a
 hold: the worker stops there until the event is reached (the host never waits). The default stream
 is the *legacy* default stream: its work starts only after all earlier work on every stream, and
