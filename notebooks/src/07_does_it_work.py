@@ -626,10 +626,10 @@ for b in (1, 4, 8):
 # %% [markdown]
 # Two warps and two stages take the 0.6B step from 1.13 to 1.11 <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_defaults_ms, small_models_switches.q06_b4_lean_compile_ms --> ms at batch 4,
 # and at batch 8 from 1.26 to 1.22 <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_defaults_ms, small_models_switches.q06_b8_lean_compile_ms --> ms: 3.21x <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_compile_x --> and 3.04x <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_compile_x --> its floor. At batch 1 the
-# launch stays as it was; there the defaults were as fast. The other four stay off. Folding the combine
-# into the attention kernel made every step slower (at batch 4, 1.15 to 1.24 <!-- from figures/data/headline.json: small_models_switches.q06_b4_switches_compile_ms, small_models_switches.q06_b4_switches_fold_ms --> ms), and the kernel
+# launch stays as it was; there the defaults were as fast. Of the other four, three stay off behind
+# their switches and the fourth is gone from the code: folding the combine into the attention kernel made every step slower (at batch 4, 1.15 to 1.24 <!-- from figures/data/headline.json: small_models_switches.q06_b4_switches_compile_ms, small_models_switches.q06_b4_switches_fold_ms --> ms), and the kernel
 # alone was slower wherever it splits the keys. The merged products on our own kernel saved 0.02 ms
-# at batch 1 and cost as much at batch 8, where eight rows are past what a few-row kernel does well;
+# at batch 1 and cost as much at batch 8 (their products took longer there; why was not looked into);
 # the product in one piece and the carry-over as one kernel moved the step by less than two compiles
 # of the same step differ. What stands between the step and 3x its floor is the count of kernels,
 # about 300 a step, each a few microseconds long.
