@@ -205,34 +205,6 @@ def test_a_kernel_launched_early_waits_for_the_one_before():
         assert torch.allclose(out, want, atol=1e-3, rtol=1e-3)
 
 
-def test_the_mlp_activation_inside_the_down_kernel_gives_the_eager_tokens(monkeypatch):
-    """skinny.GATED: the compiled step's down products take silu(gate) * up into the kernel (one fused
-    call per layer); the tokens are the eager ones (float32), sync and async."""
-    from minibatch.speed import skinny
-
-    monkeypatch.setattr(skinny, "GATED", True)
-    gated_launches = []
-    real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda *a: gated_launches.append(a[4] is not None) or real_launch(*a))
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(8)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (6, 19, 11)]
-    kw = dict(max_new_tokens=16, max_batch_size=4, max_batch_tokens=256)
-    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
-    torch._dynamo.reset()  # (compiles of its own, dropped after: GATED is read when the backend compiles)
-    step = CompiledStep(model)
-    before = len(step.gated)
-    try:
-        with minibatch.Engine(model) as engine:
-            engine._compiled = step
-            assert engine.generate(work, mode="sync", compile=True, **kw) == eager
-            assert engine.generate(work, mode="async", compile=True, **kw) == eager
-    finally:
-        torch._dynamo.reset()
-    assert step.gated[before:] and set(step.gated[before:]) == {model.num_layers}
-    assert any(gated_launches)  # (the kernel ran with the activation inside, not the eager fallback)
-
-
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("rows, n, k", [(1, 1024, 2048), (2, 1024, 3072), (4, 1024, 3072), (1, 2048, 8192)])
 def test_the_skinny_kernel_in_bf16_at_a_small_models_shapes(rows, n, k, early, monkeypatch):

@@ -129,12 +129,6 @@ class CompiledStep:
         return self._backend().routed
 
     @property
-    def gated(self) -> list[int]:
-        """Per compile (of any CompiledStep with these options): routed products that took the MLP's
-        activation along (skinny.fuse_activation, where skinny.GATED is on)."""
-        return self._backend().gated
-
-    @property
     def argmaxes(self) -> list[int]:
         """Per compile (of any CompiledStep with these options): argmax calls over a vocabulary computed in
         two steps (wide_argmax.py)."""

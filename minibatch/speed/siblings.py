@@ -178,14 +178,13 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`), then wide_argmax.split (with its
     ENABLED), then Inductor with the options of torch.compile's `mode` and the config `patches` ((name,
-    value) pairs). `merged`, `routed` and `gated`:
-    per compile, how many linear calls went into a sibling's, how many to the skinny kernel, and how many
-    of those took their activation along (skinny.fuse_activation, with skinny.GATED); `argmaxes`: how many
-    argmax calls over a vocabulary became two steps (wide_argmax.py)."""
+    value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into a
+    sibling's, how many to the skinny kernel, and how many argmax calls over a vocabulary became two steps
+    (wide_argmax.py)."""
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
-        self.merged, self.routed, self.gated, self.argmaxes = [], [], [], []
+        self.merged, self.routed, self.argmaxes = [], [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         if self.merging:
@@ -194,7 +193,6 @@ class _Backend:
             from . import skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
-            self.gated.append(skinny.fuse_activation(gm, example_inputs) if skinny.GATED else 0)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

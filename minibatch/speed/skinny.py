@@ -28,10 +28,6 @@ it picks its setting per shape (`settings`), and runs cuBLAS where none was meas
 and later, inside compiled steps, it is launched early (early.py): its weights stream into L2 while the
 kernel before it finishes. Sums run in another order than cuBLAS's, so bf16 tokens may differ from a
 compiled step without it: compare like with like, as CompiledStep says.
-
-An experiment, off (`GATED`): `fuse_activation` hands an MLP's silu(gate) * up with its down product to
-`minibatch::skinny_gated_linear`, whose kernel computes the activation as it loads its input (one kernel
-less per layer); not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -58,10 +54,10 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, u_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, s_up, swn, sym,
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, GATED: tl.constexpr):
+                       LINE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -69,7 +65,6 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * swn
         x_rows = x_ptr + rm[:, None] * sxm
-        u_rows = u_ptr + rm[:, None] * s_up
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
         if PDL:  # launched while the kernel before it still runs: this program's weights (which no kernel
@@ -84,10 +79,6 @@ if triton is not None:
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if GATED:  # x is the MLP's gate, u its up projection: the product's input is silu(gate) * up,
-                u = tl.load(u_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-                g = x.to(tl.float32)  # computed here in float32 and rounded as a kernel would store it
-                x = (g * tl.sigmoid(g) * u.to(tl.float32)).to(x_ptr.dtype.element_ty)
             if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
             else:
@@ -110,9 +101,8 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up: torch.Tensor | None = None) -> None:
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
-    With `up` (x's shape and layout): y = (silu(x) * up) @ w.T, an MLP's activation and down product in one.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
@@ -126,12 +116,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up:
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    u = x if up is None else up  # (the kernel reads it only when GATED)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
-        x, u, w, target, M, N, K, pieces, x.stride(0), u.stride(0), w.stride(0), y.stride(0),
+        x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        GATED=up is not None, num_warps=setting["warps"],
+        num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -178,7 +167,7 @@ ONE_PIECE = False
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T, by the kernel where `settings` picks it (CUDA, x and weight of one
     floating dtype), else F.linear."""
-    return _product(x, weight, None)
+    return _product(x, weight)
 
 
 @skinny_linear.register_fake
@@ -186,29 +175,16 @@ def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("minibatch::skinny_gated_linear", mutates_args=())
-def skinny_gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T, an MLP's activation and down product: one kernel where `settings`
-    picks it for the product (the activation computed as the kernel loads its input), else eagerly."""
-    return _product(gate, weight, up)
-
-
-@skinny_gated_linear.register_fake
-def _(gate, up, weight):
-    return gate.new_empty(*gate.shape[:-1], weight.shape[0])
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // max(k, 1)
     usable = (x.is_cuda and available() and weight.stride(-1) == 1 and x.dtype == weight.dtype
-              and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-              and (up is None or (up.shape == x.shape and up.dtype == x.dtype)))
+              and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
     chosen = settings(rows, n, k) if usable else None
     if chosen is None:
-        return torch.nn.functional.linear(x if up is None else torch.nn.functional.silu(x) * up, weight)
+        return torch.nn.functional.linear(x, weight)
     y = x.new_empty(rows, n)
-    launch(_flat_rows(x, rows), weight, y, chosen, None if up is None else _flat_rows(up, rows))
+    launch(_flat_rows(x, rows), weight, y, chosen)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -248,57 +224,6 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
     return _recompiled(gm, routed)
 
 
-#: Whether the backend also hands an MLP's activation to the down product's kernel (`fuse_activation`):
-#: an experiment, off until timed on a GPU
-GATED = False
-
-
-def fuse_activation(gm: torch.fx.GraphModule, example_inputs) -> int:
-    """A pass after `route`: a `skinny_linear` call whose input is silu(gate) * up (an MLP's activation,
-    used nowhere else) becomes one `skinny_gated_linear` call, which computes the activation as its kernel
-    loads the input, so the step has no activation kernel of its own; only where the row count is static
-    and `settings` gives the product to the kernel. Returns how many calls it fused."""
-    import operator
-
-    real = _placeholders(gm, example_inputs)
-    silu = (torch.nn.functional.silu, torch._C._nn.silu)
-    fused = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.minibatch.skinny_linear.default:
-            continue
-        x, weight = node.args
-        if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in (operator.mul, torch.mul)
-                and len(x.args) == 2 and not x.kwargs and len(x.users) == 1):
-            continue
-        act = next((a for a in x.args if isinstance(a, torch.fx.Node) and a.op == "call_function"
-                    and a.target in silu and len(a.args) == 1 and not a.kwargs.get("inplace")
-                    and len(a.users) == 1), None)  # (an in-place silu changes its input for other readers)
-        up = x.args[1] if act is x.args[0] else x.args[0]
-        if act is None or not isinstance(up, torch.fx.Node):
-            continue
-        gate = act.args[0]
-        if not _same_shape(gate, up):
-            continue  # (a broadcasting product, or shapes the graph does not tell: not the kernel's)
-        value = node.meta.get("example_value")
-        rows = _rows(value) if isinstance(value, torch.Tensor) else None
-        w = real.get(weight)
-        if not isinstance(rows, int) or not isinstance(w, torch.Tensor) or settings(rows, *w.shape) is None:
-            continue  # (a symbolic or larger row count: its fallback would round in bf16 twice, not once)
-        _replace(gm, node, torch.ops.minibatch.skinny_gated_linear.default, (gate, up, weight), x, act)
-        fused += 1
-    return _recompiled(gm, fused)
-
-
-def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Whether two graph values have one shape: from dynamo's example values, or, for the slices
-    siblings.merge makes (which carry none), as equal-length slices of one tensor along one dimension."""
-    values = [n.meta.get("example_value") for n in (a, b)]
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return values[0].shape == values[1].shape
-    narrow = all(n.op == "call_function" and n.target is torch.narrow and len(n.args) == 4 for n in (a, b))
-    return narrow and a.args[0] is b.args[0] and a.args[1] == b.args[1] and a.args[3] == b.args[3]
-
-
 def _weight(w, real: dict):
     """The tensor a `linear` call's weight argument stands for: a graph input's, or the stacked weight of
     merged siblings (siblings.merge: `as_strided` over the first sibling's weight, offset 0), else None."""
@@ -323,14 +248,13 @@ def _rows(value: torch.Tensor):
     return rows
 
 
-def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple, *dead: torch.fx.Node) -> None:
-    """`node` becomes a call of `op` on `args` (with its metadata); it and the `dead` nodes leave the graph."""
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple) -> None:
+    """`node` becomes a call of `op` on `args` (with its metadata) and leaves the graph."""
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, args)
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
-    for gone in (node, *dead):
-        gm.graph.erase_node(gone)
+    gm.graph.erase_node(node)
 
 
 def _recompiled(gm: torch.fx.GraphModule, changed: int) -> int:

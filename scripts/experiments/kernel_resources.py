@@ -46,11 +46,11 @@ def decode_settings(group: int, split: bool, pdl: bool) -> dict:
                 WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64)
 
 
-def skinny_settings(rows: int, pdl: bool, gated: bool = False) -> dict:
+def skinny_settings(rows: int, pdl: bool) -> dict:
     """skinny.launch's constants for `rows` rows at the setting skinny.settings ships."""
     s = skinny.settings(rows, 1024, 1024)
     return dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], STAGES=s["stages"],
-                SPLIT=False, DOT=False, PDL=pdl, LINE=64, GATED=gated)
+                SPLIT=False, DOT=False, PDL=pdl, LINE=64)
 
 
 def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
@@ -65,10 +65,10 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
                         triton_decode._decode_kernel, decode_settings(group, True, pdl), ints, warps, stages))
     out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
                 dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
-    for rows, pdl, gated in ((1, False, False), (1, True, False), (4, False, False), (4, True, False), (4, True, True)):
-        c = skinny_settings(rows, pdl, gated)
-        ints = dict(M=rows, N=1024, K=2048, pieces=2048 // c["BLOCK_K"], sxm=2048, s_up=2048, swn=2048, sym=1024)
-        label = f"skinny product, {rows} row{'s' * (rows > 1)}, pdl={int(pdl)}{', gated' if gated else ''}"
+    for rows, pdl in ((1, False), (1, True), (4, False), (4, True)):
+        c = skinny_settings(rows, pdl)
+        ints = dict(M=rows, N=1024, K=2048, pieces=2048 // c["BLOCK_K"], sxm=2048, swn=2048, sym=1024)
+        label = f"skinny product, {rows} row{'s' * (rows > 1)}, pdl={int(pdl)}"
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
     return out
 

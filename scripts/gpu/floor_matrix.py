@@ -27,7 +27,7 @@ products of 1-4 rows by a narrow weight on speed/skinny.py's kernel), and with -
 --variants a path per label, the compiled step with those Inductor config changes (CompiledStep's
 `inductor`); with early=0 our own kernels (skinny.py's, the decode attention's) launched without
 programmatic dependent launch (their default where the GPU has it), with widest=... another rule for
-skinny.py's kernel, with gated=1 the MLP's activation inside the down product's kernel, with argmax=0
+skinny.py's kernel, with argmax=0
 the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with lean=0 the
 decode attention with Triton's default warps and stages at every batch (triton_decode.LEAN), with
 one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
@@ -79,14 +79,14 @@ def parse_setting(text: str) -> tuple:
 
 
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
-SWITCHES = {"early": (early, "ENABLED"), "gated": (skinny, "GATED"), "argmax": (wide_argmax, "ENABLED"),
+SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
     """"LABEL:NAME=VALUE,..." -> (label, Inductor config, module settings {(module, name): value}): early=0/1
-    (our kernels launched early inside compiled steps: early.ENABLED), gated=0/1 (skinny.GATED),
+    (our kernels launched early inside compiled steps: early.ENABLED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
     wide_argmax.ENABLED), lean=0/1 (the decode attention's 2 warps and 2 stages at 4-64 rows:
     triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
@@ -198,8 +198,7 @@ def main() -> None:
                     help="with --compile, also time the compiled step with Inductor config changes, one path per "
                          "LABEL (e.g. late:triton.enable_pdl=0,early=0 combo:combo_kernels=1); early=0 launches our "
                          "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
-                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); gated=1 sets "
-                         "skinny.GATED (the MLP's activation computed in the down product's kernel); argmax=0 "
+                         "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); argmax=0 "
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
                          "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER")
@@ -252,7 +251,6 @@ def main() -> None:
                     row[name] = {**r, "over_floor": r["ms"] / floor}
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
-                        row[name]["gated"] = compiled.gated[-1] if compiled.gated else 0
                         row[name]["argmaxes"] = compiled.argmaxes[-1] if compiled.argmaxes else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
