@@ -221,8 +221,8 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
     step, warps and pipeline stages (0: `warps_stages`), split count (0: `num_splits`), `pdl` (None: early
     inside compiled steps on GPUs that have it)."""
-    if not warps or not stages:
-        warps, stages = warps or warps_stages(rows)[0], stages or warps_stages(rows)[1]
+    rule_warps, rule_stages = warps_stages(rows)
+    warps, stages = warps or rule_warps, stages or rule_stages
     heads, dim = query.shape[1], query.shape[3]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
