@@ -75,13 +75,18 @@ class PagedMeta:
         """[R, 1, 1, L] bool: may row r's query see key l of its row (decode layout)? Built once per forward."""
         key = ("decode", sliding_window)
         if key not in self._masks:
-            b, rows = self.batch, self.batch.rows()
-            q_pos, k_pos = b.positions[:, None], b.kv_pos.view(rows, -1)
-            ok = (b.kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
-            if sliding_window:
-                ok &= q_pos - k_pos < sliding_window
-            self._masks[key] = ok[:, None, None, :]
+            b = self.batch
+            self._masks[key] = decode_mask(b.kv_seq, b.kv_pos, b.positions, b.rows(), sliding_window)
         return self._masks[key]
+
+
+def decode_mask(kv_seq, kv_pos, positions, rows, sliding_window: int | None) -> torch.Tensor:
+    """[R, 1, 1, L] bool from a decode batch's key table (`PagedMeta.decode_mask`)."""
+    q_pos, k_pos = positions[:, None], kv_pos.view(rows, -1)
+    ok = (kv_seq.view(rows, -1) == torch.arange(rows, device=k_pos.device)[:, None]) & (k_pos <= q_pos)
+    if sliding_window:
+        ok &= q_pos - k_pos < sliding_window
+    return ok[:, None, None, :]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -141,14 +146,18 @@ def _decode_attention(query, keys, values, meta: PagedMeta, window, scaling):
     Grouped-query attention without copying keys per query head: query heads are viewed as
     [kv_heads, group] and matched with their shared key/value head inside the einsum.
     """
-    b = meta.batch
-    rows, (_, heads, _, dim) = b.rows(), query.shape
+    return attend_rows(query, keys, values, meta.decode_mask(window), scaling)
+
+
+def attend_rows(query, keys, values, mask, scaling):
+    """`_decode_attention`'s work, its [R, 1, 1, L] key mask given (`decode_mask`)."""
+    rows, (_, heads, _, dim) = mask.shape[0], query.shape
     kv_heads = keys.shape[1]
     q = query[0].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
     k = keys.view(rows, -1, kv_heads, dim)  # [R, L, KVH, D]
     v = values.view(rows, -1, kv_heads, dim)
     scores = torch.einsum("rhgd,rlhd->rhgl", q, k).float() * (scaling or dim**-0.5)
-    probs = scores.masked_fill(~meta.decode_mask(window), float("-inf")).softmax(-1).to(v.dtype)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
     out = torch.einsum("rhgl,rlhd->rhgd", probs, v)  # [R, KVH, G, D]
     return out.reshape(1, rows, heads, dim)
 

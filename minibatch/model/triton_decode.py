@@ -73,12 +73,34 @@ if triton is not None:
         tl.extra.cuda.gdc_wait()
 
     @triton.jit
+    def _fresh(base, offs_d, mask, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """Head vectors [R, D] from `base` ([R, 1] pointers): RMSNorm over D with weight w (NORM), then the
+        rotary embedding with this row's cos and sin, each product rounded to the input's dtype as
+        the model's own ops round it (fresh.py)."""
+        perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1], i.e. x[perm] with the first half negated
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+        xp = tl.load(base + perm[None, :], mask=mask, other=0.0)
+        dt = x.dtype
+        x, xp = x.to(tl.float32), xp.to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]  # (the same for x and its rotation)
+            w, wp = tl.load(w_ptr + offs_d).to(tl.float32), tl.load(w_ptr + perm).to(tl.float32)
+            x = (w[None, :] * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (wp[None, :] * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c, s = tl.load(cos_ptr + offs_d).to(tl.float32), tl.load(sin_ptr + offs_d).to(tl.float32)
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        a = (x * c[None, :]).to(dt).to(tl.float32)  # q * cos + rotate_half(q) * sin, each product rounded
+        b = ((sign[None, :] * xp) * s[None, :]).to(dt).to(tl.float32)
+        return (a + b).to(dt)
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
                        m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
+                       kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -88,7 +110,12 @@ if triton is not None:
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
-        q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + offs_d[None, :], mask=gmask, other=0.0)
+        if FRESH:  # this step's q as its projection left it (fresh.py): normed and rotated here
+            q = _fresh(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
+                       sin_ptr + r * scs_r, eps, D, NORM)
+            new_slot = tl.load(cm_ptr + r)  # this step's cell: left out below, its key added after the loop
+        else:
+            q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + offs_d[None, :], mask=gmask, other=0.0)
         q_pos = tl.load(pos_ptr + r)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -100,6 +127,8 @@ if triton is not None:
             seq = tl.load(kvs_ptr + r * L + offs_n, mask=nmask, other=-1)
             k_pos = tl.load(kvp_ptr + r * L + offs_n, mask=nmask, other=0)
             valid = (seq == r) & (k_pos <= q_pos)
+            if FRESH:
+                valid = valid & (slot != new_slot)
             if WINDOW > 0:
                 valid = valid & (q_pos - k_pos < WINDOW)
             k = tl.load(k_ptr + slot[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -122,6 +151,21 @@ if triton is not None:
             m_i = m_new
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
+        if FRESH:
+            if split == 0:  # one program per (row, head): the new key and value, into the cache and the sums
+                k_new = _fresh(kn_ptr + r * skn_r + h * D + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D,
+                               kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, D, NORM)  # [1, D]
+                v_new = tl.load(vn_ptr + r * svn_r + h * D + offs_d[None, :])
+                tl.store(k_ptr + new_slot * sk_s + h * sk_h + offs_d[None, :], k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + new_slot * sv_s + h * sv_h + offs_d[None, :], v_new.to(v_ptr.dtype.element_ty))
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # [G]: always visible (its own)
+                m_new = tl.maximum(m_i, s_new)
+                p = tl.exp(s_new - m_new)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + p
+                p_v = p.to(v_new.dtype).to(tl.float32)  # (rounded as the loop's p before its product with v)
+                acc = acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
+                m_i = m_new
         if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
             at = (r * tl.num_programs(1) * G + heads) * tl.num_programs(2) + split
             tl.store(m_ptr + at, m_i, mask=offs_g < G)
@@ -217,18 +261,31 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows: int, window: int, scaling: float,
            splits: int, block_n: int = BLOCK_N, warps: int = 0, stages: int = 0,
-           pdl: bool | None = None) -> torch.Tensor:
+           pdl: bool | None = None, fresh: dict | None = None) -> torch.Tensor:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
     step, warps and pipeline stages (0: `warps_stages`), split count (0: `num_splits`), `pdl` (None: early
-    inside compiled steps on GPUs that have it)."""
+    inside compiled steps on GPUs that have it). `fresh` (fresh.py's operator): query is this step's q as
+    its projection left it, [R, H * D], and the dict holds k and v likewise ([R, KVH * D]), the norms'
+    weights (None: no norm), their eps, cos and sin [R, D] and the cache cells to write (cell_mapping)."""
     rule_warps, rule_stages = warps_stages(rows)
     warps, stages = warps or rule_warps, stages or rule_stages
-    heads, dim = query.shape[1], query.shape[3]
-    kv_heads = k_cache.shape[1]
+    kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+    if fresh is None:
+        heads = query.shape[1]
+        q = query[0].transpose(0, 1)  # [R, H, D], a view
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        q_strides, norm = (q.stride(0), q.stride(1)), False
+        extra = [q, q, 0, 0, q, q, q, q, 0, q, 0.0]  # (the FRESH arguments: unused)
+    else:
+        q, heads = query, query.shape[1] // dim
+        k_new, v_new, cos, sin = fresh["k"], fresh["v"], fresh["cos"], fresh["sin"]
+        norm = fresh["q_weight"] is not None
+        weights = [fresh["q_weight"], fresh["k_weight"]] if norm else [q, q]
+        q_strides = (q.stride(0), dim)
+        extra = [k_new, v_new, k_new.stride(0), v_new.stride(0), *weights, cos, sin, cos.stride(0),
+                 fresh["cell_mapping"], float(fresh["eps"])]
     group = heads // kv_heads
-    q = query[0].transpose(0, 1)  # [R, H, D], a view
-    if q.stride(2) != 1:
-        q = q.contiguous()
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
     o = out[0]
     pdl = (wanted() if pdl is None else pdl) and has_pdl(query.device)  # (inside compiled steps: speed/early.py)
@@ -241,11 +298,11 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), width, keys_per_split, scaling,
+        *q_strides, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
-        LINE=min(dim, 128 // k_cache.element_size()),
+        LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
         num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1:

@@ -36,14 +36,15 @@ from minibatch.model import triton_decode  # noqa: E402
 from minibatch.speed import skinny  # noqa: E402
 
 SM = {"registers": 65536, "shared": 227 * 1024, "warps": 64, "blocks": 32}
-INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr")
+INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr", "cm_ptr")
 FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
 
 
-def decode_settings(group: int, split: bool, pdl: bool) -> dict:
-    """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits)."""
+def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> dict:
+    """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits); `fresh`: model/fresh.py's
+    (q/k/v from their projections, normed, rotated and cached by the kernel)."""
     return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
-                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64)
+                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
 
 def skinny_settings(rows: int, pdl: bool) -> dict:
@@ -63,6 +64,12 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
         for pdl, (warps, stages) in ((False, (4, 3)), (True, (4, 3)), (True, (2, 2))):  # 2, 2: at 4-64 rows
             out.append((f"decode attention, {model}, pdl={int(pdl)}, {warps} warps, {stages} stages",
                         triton_decode._decode_kernel, decode_settings(group, True, pdl), ints, warps, stages))
+    # the 0.6B step with fresh.ENABLED: q, k and v read from the merged q/k/v product's rows (4096 wide)
+    ints = dict(sq_r=4096, sq_h=128, sk_s=8 * 128, sk_h=128, sv_s=8 * 128, sv_h=128, so_r=16 * 128, so_h=128, L=576,
+                keys_per_split=64, skn_r=4096, svn_r=4096, scs_r=128)
+    for warps, stages in ((4, 3), (2, 2)):
+        out.append((f"decode attention, 0.6B, fresh, pdl=1, {warps} warps, {stages} stages",
+                    triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True), ints, warps, stages))
     out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
                 dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
     for rows, pdl in ((1, False), (1, True), (4, False), (4, True)):
@@ -87,7 +94,7 @@ def compile_for(fn, constants: dict, ints: dict, warps: int, stages: int, arch: 
             signature[name] = ("*i64" if name in INDEX_POINTERS else "*fp32" if name in FLOAT32_POINTERS
                                else "*i32" if name == "count_ptr" else "*bf16")
         else:
-            signature[name] = "fp32" if name == "scale" else "i32"
+            signature[name] = "fp32" if name in ("scale", "eps") else "i32"
         if name.endswith("_ptr") or ints.get(name, 1) % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = tc.ASTSource(fn=fn, signature=signature, attrs=attrs,

@@ -1,0 +1,137 @@
+"""A decode step's query, key and value straight from their projections into the decode kernel (notebook 07).
+
+Why: in a compiled decode step every attention layer runs two small kernels between its q/k/v
+product and its decode attention: one applies the query's and key's RMSNorm (Qwen3 has them) and the
+rotary embedding, one writes the new key and value into the paged cache. Each moves a few hundred
+bytes per head and takes 1-2 microseconds, mostly launch and ramp (BENCHMARKS.md, small models:
+~60 of the 0.6B step's ~320 kernels). The decode kernel (triton_decode.py) already loads each row's
+query heads and walks its keys, so it can do that work itself:
+
+    program (row r, key/value head h, split s), with FRESH:
+        q     = rotary(rmsnorm(q_raw[r, heads of h]))       the G query heads it serves
+        k_new = rotary(rmsnorm(k_raw[r, h])),  v_new = v_raw[r, h]
+        if s == 0: cache[cell_mapping[r], h] = k_new, v_new  (one writer per row and head)
+        for each chunk of the row's keys: as before, except that the key and value of this
+            step's cell come from k_new and v_new, not from the cache (so no program waits
+            for the write, and one that reads the cell before it is written is still right)
+
+Each product is rounded to the model's dtype where the model's own ops round it (PyTorch's eager
+rules), so the cache holds what the layer's own forward would write, up to the last bit of the
+norm's sum (its order differs).
+
+How: `install(hf)` gives every attention layer of a family whose forward is projections, optional
+q/k RMSNorm, rotary embedding, attention and output projection (`FAMILIES`) a forward that, in a
+decode-layout step with `ENABLED`, runs the projections and then the operator
+`minibatch::paged_decode_fresh`, and otherwise calls the layer's own forward unchanged. The operator
+runs the kernel where the step's decode attention is "triton" and, elsewhere (a CPU), the same work
+as the model's own ops (`reference`), which the tests compare with the layer's own forward token for
+token.
+
+Status: an experiment, off (`ENABLED`) until timed in a compiled step on a GPU
+(scripts/gpu/floor_matrix.py --variants fresh:fresh=1).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import triton_decode
+from .attention import attend_rows, decode_mask
+
+#: Attention layers whose forward is the one `_forward` replaces (transformers 5.17-5.24): q/k/v
+#: projections, for Qwen3 an RMSNorm of each query and key head, the rotary embedding, the attention
+#: function, the output projection.
+FAMILIES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+
+#: Whether decode-layout steps take this path (read when a step is traced: set it before compiling).
+ENABLED = False
+
+
+def install(hf: torch.nn.Module) -> int:
+    """Give each attention layer of `FAMILIES` in `hf` the forward below (once). -> layers changed."""
+    changed = 0
+    for module in hf.modules():
+        if type(module).__name__ in FAMILIES and getattr(module.forward, "__func__", None) is not _forward:
+            module.forward = types.MethodType(_forward, module)
+            changed += 1
+    return changed
+
+
+def _forward(self, *args, **kwargs):
+    meta = kwargs.get("minibatch")
+    if not (ENABLED and meta is not None and meta.batch.decode_rows):
+        return type(self).forward(self, *args, **kwargs)  # the layer's own forward
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+    q, k, v = self.q_proj(hidden)[0], self.k_proj(hidden)[0], self.v_proj(hidden)[0]  # [T, heads * D]
+    q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    # Qwen2 and Qwen3 layers know their own window; Mistral's attention passes its config's
+    window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
+    b, layer = meta.batch, self.layer_idx
+    out = paged_decode_fresh(
+        q, k, v, q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+        float(q_norm.variance_epsilon) if q_norm is not None else 0.0, cos[0], sin[0],
+        meta.cache.keys[layer], meta.cache.values[layer], b.cell_mapping, b.kv_indices, b.kv_seq, b.kv_pos,
+        b.positions, b.rows(), int(window or 0), float(self.scaling), meta.decode_attention == "triton")
+    return self.o_proj(out.reshape(*hidden.shape[:-1], -1)), None
+
+
+# Why a custom operator: as triton_decode.paged_decode (Inductor calls the kernel as it is); it writes the
+# caches, which it says (mutates_args), so that the compiler orders it after earlier reads of them.
+@torch.library.custom_op("minibatch::paged_decode_fresh", mutates_args=("k_cache", "v_cache"))
+def paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, cell_mapping: torch.Tensor,
+                       kv_indices: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor,
+                       rows: int, window: int, scaling: float, kernel: bool) -> torch.Tensor:
+    """q [R, H * D], k and v [R, KVH * D] as their projections left them; norm weights (None: no norm) and
+    eps; cos, sin [R, D]; caches [cells, KVH, D], written at cell_mapping -> attention [1, R, H, D].
+    `kernel`: the Triton decode kernel (triton_decode.launch with `fresh`), else `reference`."""
+    if not kernel:
+        return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
+                         kv_seq, kv_pos, positions, rows, window, scaling)
+    fresh = dict(k=_rows(k), v=_rows(v), q_weight=q_weight, k_weight=k_weight, eps=eps, cos=_rows(cos),
+                 sin=_rows(sin), cell_mapping=cell_mapping)
+    return triton_decode.launch(_rows(q), k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window,
+                                scaling, 0, fresh=fresh)
+
+
+@paged_decode_fresh.register_fake
+def _(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq, kv_pos,
+      positions, rows, window, scaling, kernel):
+    return q.new_empty(1, rows, q.shape[1] // k_cache.shape[2], k_cache.shape[2])
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()  # (the kernel steps along rows by their stride)
+
+
+def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,
+              kv_pos, positions, rows, window, scaling) -> torch.Tensor:
+    """The operator's work as the model's own ops do it (the norm and rotary embedding of transformers'
+    Qwen3 and Llama layers, the cache write and einsum attention of attention.py)."""
+    dim = k_cache.shape[2]
+    q, k, v = (t.reshape(t.shape[0], -1, dim) for t in (q, k, v))  # [R, heads, D]
+    if q_weight is not None:
+        q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
+    cos, sin = cos[:, None], sin[:, None]
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    k_cache.index_copy_(0, cell_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, cell_mapping, v.to(v_cache.dtype))
+    keys, values = k_cache.index_select(0, kv_indices), v_cache.index_select(0, kv_indices)
+    mask = decode_mask(kv_seq, kv_pos, positions, rows, window)
+    return attend_rows(q.transpose(0, 1)[None], keys, values, mask, scaling)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama's, Qwen3's): in float32, then back to the input's dtype, then the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

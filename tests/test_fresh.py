@@ -1,0 +1,157 @@
+"""The decode step's query, key and value straight from their projections (model/fresh.py).
+
+On the CPU (CI): the operator's torch path, inside a model's forward, against the layers' own forward
+(bit for bit: logits and the cache). With Triton (a GPU, or its interpreter: TRITON_INTERPRET=1 set
+before pytest starts, as tests/test_paged_kernel.py says): the kernel against that torch path.
+"""
+
+import os
+
+import pytest
+import torch
+
+import minibatch
+from minibatch.core.batch import build_batch
+from minibatch.core.buckets import ROW_BUCKETS
+from minibatch.core.kv_cache import PagedKVCache
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.model import fresh
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _decode_batch(ctx_lens, layers, kv_heads, dim, dtype, device="cpu", block_size=4, bucket=8):
+    """A decode batch over rows of `ctx_lens` cached tokens (random keys and values) and its cache."""
+    torch.manual_seed(0)
+    cache = PagedKVCache(layers, kv_heads, dim, 256, block_size, device=device, dtype=dtype)
+    sched = Scheduler(cache.allocator, 512, 8)
+    for i, n in enumerate(ctx_lens):
+        sched.add(Request(i, [(7 * i + j) % 97 + 1 for j in range(n)], SamplingParams(max_new_tokens=4)))
+    sched.update(sched.schedule(), [2] * len(ctx_lens))  # the prompts' step (nothing computed: random cache)
+    batch = build_batch(sched.schedule(), cache, bucket, True, ROW_BUCKETS).to(device)
+    for t in (*cache.keys, *cache.values):
+        t.copy_(torch.randn_like(t))
+    return cache, batch
+
+
+@pytest.mark.parametrize("name", ["random-qwen3", "random-llama", "random-mistral", "random-qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fresh_path_gives_the_layers_own_logits_and_cache(name, dtype, monkeypatch):
+    """A decode step's logits and the cache it leaves, with and without fresh.ENABLED: the same bits."""
+    model = minibatch.load_model(name, device="cpu", dtype=dtype)
+    assert fresh.install(model.hf) == model.num_layers and fresh.install(model.hf) == 0  # (once)
+    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    (cache, batch), (twin, _) = _decode_batch(*shape), _decode_batch(*shape)  # (the same random cache twice)
+    own = model.logits(batch, cache)
+    calls = []
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    monkeypatch.setattr(fresh, "reference", lambda *a: calls.append(a) or reference(*a))
+    got = model.logits(batch, twin)
+    assert len(calls) == model.num_layers  # (the fresh path ran, in every layer)
+    assert torch.equal(got, own)
+    for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
+        assert torch.equal(a, b)
+
+
+reference = fresh.reference
+
+
+def test_prefill_steps_and_the_switch_off_take_the_layers_own_forward(monkeypatch):
+    """A flat step (prompts) never takes the fresh path, nor a decode step while ENABLED is off."""
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    fresh.install(model.hf)
+    calls = []
+    monkeypatch.setattr(fresh, "reference", lambda *a: calls.append(a) or reference(*a))
+    cache, batch = _decode_batch([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
+    model.logits(batch, cache)
+    assert batch.decode_rows and not calls
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    sched = Scheduler(cache.allocator, 512, 8)
+    sched.add(Request(9, [3, 1, 4, 1, 5], SamplingParams(max_new_tokens=2)))
+    flat = build_batch(sched.schedule(), cache, 8, True, ROW_BUCKETS)
+    model.logits(flat, cache)
+    assert not flat.decode_rows and not calls
+
+
+def test_a_run_with_the_fresh_path_gives_the_same_tokens(monkeypatch):
+    """Through the engine, decode steps in the decode layout (as on a GPU), every layer on the fresh path:
+    the tokens of the layers' own forward (bf16, greedy)."""
+    monkeypatch.setenv("MINIBATCH_CPU_DEVICE", "cpu-threads")  # (the cpu device process runs its own copy)
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.bfloat16)
+    model.decode_layout = True
+    fresh.install(model.hf)
+    prompts = [[(5 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate((5, 17, 9, 2))]
+    params = SamplingParams(max_new_tokens=12)
+    own = minibatch.generate(model, prompts, params)
+    calls = []
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    monkeypatch.setattr(fresh, "reference", lambda *a: calls.append(a) or reference(*a))
+    assert minibatch.generate(model, prompts, params) == own
+    assert len(calls) >= 11 * model.num_layers  # (every decode step, every layer)
+
+
+def _raw(rows, heads, kv_heads, dim, dtype, device, positions):
+    """A step's projections' outputs (random), RMSNorm weights, and the rotary cos/sin of `positions`."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(rows, n * dim, generator=g).to(device, dtype) for n in (heads, kv_heads, kv_heads))
+    weights = [(1 + 0.1 * torch.randn(dim, generator=g)).to(device, dtype) for _ in range(2)]
+    freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angle = positions.cpu().float()[:, None] * freq[None, :]
+    angle = torch.cat((angle, angle), dim=-1)
+    return q, k, v, weights, angle.cos().to(device, dtype), angle.sin().to(device, dtype)
+
+
+@pytest.mark.parametrize("ctx_lens,window", [([5, 11, 3], None), ([150, 7, 260], None), ([150, 7, 260], 40)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype):
+    """The decode kernel with FRESH (norm and rotary embedding of q and the new k, the cache write, the new
+    key and value taken from registers) against the operator's torch path: the attention and every cache
+    cell, with and without a split over the keys (the long rows), a window, q/k norms (Qwen3) or none."""
+    pytest.importorskip("triton")
+    if not (INTERPRET or torch.cuda.is_available()):
+        pytest.skip("the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bfloat16 wrongly (its own decode kernel too; float16 stands in)")
+    device = "cpu" if INTERPRET else "cuda"
+    heads, kv_heads, dim = 4, 2, 16
+    (cache, batch), (twin, _) = (_decode_batch(ctx_lens, 1, kv_heads, dim, dtype, device) for _ in range(2))
+    rows = batch.decode_rows
+    q, k, v, (qw, kw), cos, sin = _raw(rows, heads, kv_heads, dim, dtype, device, batch.positions)
+    weights = (qw, kw) if norm else (None, None)
+    args = (q, k, v, *weights, 1e-6, cos, sin)
+    keys = (batch.cell_mapping, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, window or 0,
+            dim ** -0.5)
+    want = fresh.paged_decode_fresh(*args, cache.keys[0], cache.values[0], *keys, False)
+    got = fresh.paged_decode_fresh(*args, twin.keys[0], twin.values[0], *keys, True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert got.shape == want.shape == (1, rows, heads, dim)
+    torch.testing.assert_close(got, want, **tol)
+    written = torch.zeros(cache.keys[0].shape[0], dtype=torch.bool)
+    written[batch.cell_mapping.cpu()] = True
+    for a, b in ((twin.keys[0], cache.keys[0]), (twin.values[0], cache.values[0])):
+        assert torch.equal(a[~written.to(a.device)], b[~written.to(a.device)])  # (nothing else touched)
+        torch.testing.assert_close(a[written.to(a.device)], b[written.to(a.device)], **tol)
+
+
+def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(monkeypatch):
+    """Under torch.compile (Inductor, on the CPU here) the operator writes the cache in place: its outputs
+    and the cache it leaves are the eager fresh path's (up to the compiled norms' rounding), and the
+    generated code copies no cache (a copy per layer would be the whole cache's bytes, every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    fresh.install(model.hf)
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
+    (cache, batch), (twin, _) = _decode_batch(*shape), _decode_batch(*shape)
+    with torch.inference_mode():
+        eager = model._forward(batch, cache)
+        got, code = run_and_get_code(torch.compile(model._forward, fullgraph=True), batch, twin)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    source = "\n".join(code)
+    assert source.count("paged_decode_fresh.default(") == model.num_layers
+    assert "clone" not in source
