@@ -108,6 +108,30 @@ def test_the_carry_over_as_one_compiled_kernel_gives_the_same_tokens(monkeypatch
         assert engine._compiled.carry_over is not None
 
 
+def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
+    """model/fresh.py (ENABLED): decode steps hand the projections' q/k/v to the Triton decode kernel, which
+    norms, rotates and caches them itself: the tokens of the layers' own forward (float32, Qwen3's q/k
+    norms), eager and compiled, sync and async; the kernel ran with FRESH."""
+    from minibatch.model import fresh, triton_decode
+
+    if not triton_decode.available():
+        pytest.skip("needs triton")
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
+    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    launches = []
+    real_launch = triton_decode.launch
+    monkeypatch.setattr(triton_decode, "launch", lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
+    assert launches and all(f is not None for f in launches)
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="sync", compile=True, **kw) == own
+        assert engine.generate(work, mode="async", compile=True, **kw) == own
+
+
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
     model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens

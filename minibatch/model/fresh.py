@@ -8,24 +8,28 @@ bytes per head and takes 1-2 microseconds, mostly launch and ramp (BENCHMARKS.md
 query heads and walks its keys, so it can do that work itself:
 
     program (row r, key/value head h, split s), with FRESH:
-        q     = rotary(rmsnorm(q_raw[r, heads of h]))       the G query heads it serves
-        k_new = rotary(rmsnorm(k_raw[r, h])),  v_new = v_raw[r, h]
-        if s == 0: cache[cell_mapping[r], h] = k_new, v_new  (one writer per row and head)
-        for each chunk of the row's keys: as before, except that the key and value of this
-            step's cell come from k_new and v_new, not from the cache (so no program waits
-            for the write, and one that reads the cell before it is written is still right)
+        q = rotary(rmsnorm(q_raw[r, heads of h]))            the G query heads it serves
+        for each chunk of the row's keys: as before, leaving out this step's cell
+        if s == 0:                                            one program per (row, head)
+            k_new = rotary(rmsnorm(k_raw[r, h])),  v_new = v_raw[r, h]
+            cache[cell_mapping[r], h] = k_new, v_new
+            fold k_new and v_new into its running max, sum and weighted values, like one more key
 
-Each product is rounded to the model's dtype where the model's own ops round it (PyTorch's eager
-rules), so the cache holds what the layer's own forward would write, up to the last bit of the
-norm's sum (its order differs).
+So no program reads a cell that another program of the same launch writes, and the loop does no
+more than before (one comparison per key): the new key and value are computed after it, by one
+program. (Held in registers through the loop, to stand in for the cache's copy wherever a chunk
+reached this step's cell, they took the 0.6B program to 255 registers and spills, compiled for sm_90
+by scripts/experiments/kernel_resources.py; this way it has none.) Each product is rounded to the model's dtype where the model's own ops round
+it (PyTorch's eager rules), so the cache holds what the layer's own forward would write, up to the
+last bit of the norm's sum (its order differs).
 
 How: `install(hf)` gives every attention layer of a family whose forward is projections, optional
 q/k RMSNorm, rotary embedding, attention and output projection (`FAMILIES`) a forward that, in a
 decode-layout step with `ENABLED`, runs the projections and then the operator
 `minibatch::paged_decode_fresh`, and otherwise calls the layer's own forward unchanged. The operator
 runs the kernel where the step's decode attention is "triton" and, elsewhere (a CPU), the same work
-as the model's own ops (`reference`), which the tests compare with the layer's own forward token for
-token.
+as the model's own ops (`reference`), which the tests compare with the layer's own forward bit for
+bit.
 
 Status: an experiment, off (`ENABLED`) until timed in a compiled step on a GPU
 (scripts/gpu/floor_matrix.py --variants fresh:fresh=1).

@@ -635,6 +635,63 @@ for b in (1, 4, 8):
 # about 300 a step, each a few microseconds long.
 
 # %% [markdown]
+# ### Fewer kernels: the attention's small neighbours inside the attention kernel
+#
+# Between each layer's q/k/v product and its attention, a compiled step still runs two kernels of its
+# own: one applies Qwen3's RMSNorm to every query and key head and then the rotary embedding, one
+# writes the new key and value into the paged cache. Each moves a few hundred bytes per head, and
+# each costs a launch: two of every layer's ten or so. The attention kernel already loads the row's
+# query heads and walks its keys, so it can take q, k and v as their projections left them and do
+# that work itself (`minibatch/model/fresh.py`): every program norms and rotates the query heads it
+# serves; the cached keys are read as before, this step's cell left out; and one program per row and
+# head computes the new key, writes it and the new value into the cache, and adds them to its running
+# softmax sums like one more key. No program reads what another program of the same launch writes,
+# and each product is rounded where the model's own ops round it, so on the CPU (where the operator
+# runs the same steps as PyTorch ops) the logits and the cache are the layers' own, bit for bit:
+
+# %%
+from minibatch.core.batch import build_batch
+from minibatch.core.buckets import ROW_BUCKETS
+from minibatch.core.requests import Request, SamplingParams
+from minibatch.core.scheduler import Scheduler
+from minibatch.model import fresh
+
+qwen = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.bfloat16)
+print("attention layers given the fresh forward:", fresh.install(qwen.hf))
+
+
+def one_decode_step(enabled):
+    """Three prompts through the layers' own forward, then one decode step with fresh.ENABLED on or off."""
+    cache = qwen.make_cache(num_blocks=32, block_size=4)
+    sched = Scheduler(cache.allocator, 256, 8)
+    for i, n in enumerate((5, 11, 3)):
+        sched.add(Request(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=4)))
+    plan = sched.schedule()
+    qwen.logits(build_batch(plan, cache), cache)
+    sched.update(plan, [7, 8, 9])
+    batch = build_batch(sched.schedule(), cache, 8, True, ROW_BUCKETS)  # the decode layout, as on a GPU
+    fresh.ENABLED = enabled
+    try:
+        return qwen.logits(batch, cache), cache
+    finally:
+        fresh.ENABLED = False
+
+
+own, own_cache = one_decode_step(False)
+new, new_cache = one_decode_step(True)
+print("decode rows:", new.shape[0], "| same logits, bit for bit:", torch.equal(own, new))
+print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_cache.keys, *own_cache.values),
+                                                                      (*new_cache.keys, *new_cache.values))))
+
+# %% [markdown]
+# On a GPU the operator runs the Triton kernel instead (`tests/test_fresh.py` compares the two, and
+# runs the kernel on the CPU too with Triton's interpreter). It is off by default (`fresh.ENABLED`)
+# until a GPU has timed it: `bash scripts/gpu/reproduce.sh OUTDIR switches` runs the 0.6B step with it
+# and without, side by side. Compiled for the H200 without one (`kernel_resources.py`), the kernel has
+# no spills and still fits 5 programs to a multiprocessor at 4-64 rows, 3 instead of 4 at one row,
+# where a step launches fewer programs than there are multiprocessors anyway.
+
+# %% [markdown]
 # ## 4. Where asynchrony helps most
 #
 # The async loop hides the host's work behind the device's. It helps most when the host's share of a
