@@ -11,28 +11,14 @@ import pytest
 import torch
 
 import minibatch
+from decode_tables import decode_batch
 from minibatch.core.batch import build_batch
 from minibatch.core.buckets import ROW_BUCKETS
-from minibatch.core.kv_cache import PagedKVCache
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.scheduler import Scheduler
 from minibatch.model import fresh
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _decode_batch(ctx_lens, layers, kv_heads, dim, dtype, device="cpu", block_size=4, bucket=8):
-    """A decode batch over rows of `ctx_lens` cached tokens (random keys and values) and its cache."""
-    torch.manual_seed(0)
-    cache = PagedKVCache(layers, kv_heads, dim, 256, block_size, device=device, dtype=dtype)
-    sched = Scheduler(cache.allocator, 512, 8)
-    for i, n in enumerate(ctx_lens):
-        sched.add(Request(i, [(7 * i + j) % 97 + 1 for j in range(n)], SamplingParams(max_new_tokens=4)))
-    sched.update(sched.schedule(), [2] * len(ctx_lens))  # the prompts' step (nothing computed: random cache)
-    batch = build_batch(sched.schedule(), cache, bucket, True, ROW_BUCKETS).to(device)
-    for t in (*cache.keys, *cache.values):
-        t.copy_(torch.randn_like(t))
-    return cache, batch
 
 
 @pytest.mark.parametrize("name", ["random-qwen3", "random-llama", "random-mistral", "random-qwen2"])
@@ -42,7 +28,7 @@ def test_the_fresh_path_gives_the_layers_own_logits_and_cache(name, dtype, monke
     model = minibatch.load_model(name, device="cpu", dtype=dtype)
     assert fresh.install(model.hf) == model.num_layers and fresh.install(model.hf) == 0  # (once)
     shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    (cache, batch), (twin, _) = _decode_batch(*shape), _decode_batch(*shape)  # (the same random cache twice)
+    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)  # (the same random cache twice)
     own = model.logits(batch, cache)
     calls = []
     monkeypatch.setattr(fresh, "ENABLED", True)
@@ -63,7 +49,7 @@ def test_prefill_steps_and_the_switch_off_take_the_layers_own_forward(monkeypatc
     fresh.install(model.hf)
     calls = []
     monkeypatch.setattr(fresh, "reference", lambda *a: calls.append(a) or reference(*a))
-    cache, batch = _decode_batch([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
+    cache, batch = decode_batch([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
     model.logits(batch, cache)
     assert batch.decode_rows and not calls
     monkeypatch.setattr(fresh, "ENABLED", True)
@@ -116,7 +102,7 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype)
         pytest.skip("Triton's interpreter computes bfloat16 wrongly (its own decode kernel too; float16 stands in)")
     device = "cpu" if INTERPRET else "cuda"
     heads, kv_heads, dim = 4, 2, 16
-    (cache, batch), (twin, _) = (_decode_batch(ctx_lens, 1, kv_heads, dim, dtype, device) for _ in range(2))
+    (cache, batch), (twin, _) = (decode_batch(ctx_lens, 1, kv_heads, dim, dtype, device) for _ in range(2))
     rows = batch.decode_rows
     q, k, v, (qw, kw), cos, sin = _raw(rows, heads, kv_heads, dim, dtype, device, batch.positions)
     weights = (qw, kw) if norm else (None, None)
@@ -145,7 +131,7 @@ def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(monkeypatch):
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
-    (cache, batch), (twin, _) = _decode_batch(*shape), _decode_batch(*shape)
+    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
     with torch.inference_mode():
         eager = model._forward(batch, cache)
         got, code = run_and_get_code(torch.compile(model._forward, fullgraph=True), batch, twin)

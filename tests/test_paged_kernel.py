@@ -17,12 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 import minibatch  # noqa: E402
+from decode_tables import decode_batch  # noqa: E402
 from minibatch.model import triton_decode  # noqa: E402
-from minibatch.core.batch import build_batch  # noqa: E402
-from minibatch.core.buckets import ROW_BUCKETS  # noqa: E402
 from minibatch.model.attention import PagedMeta, _decode_attention  # noqa: E402
-from minibatch.core.requests import Request, SamplingParams  # noqa: E402
-from minibatch.core.scheduler import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
@@ -35,19 +32,8 @@ def work():
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 7, 4, 20, 2)]
 
 
-def _decode_batch(ctx_lens, block_size=4, bucket=8):
-    torch.manual_seed(0)
-    kv_heads, dim = 2, 16
-    from minibatch.core.kv_cache import PagedKVCache
-    cache = PagedKVCache(1, kv_heads, dim, 256, block_size, device=DEVICE, dtype=torch.float32)
-    sched = Scheduler(cache.allocator, 512, 8)
-    for i, n in enumerate(ctx_lens):
-        sched.add(Request(i, [1] * n, SamplingParams(max_new_tokens=4)))
-    sched.update(sched.schedule(), [2] * len(ctx_lens))  # prefill (nothing computed: we fill the cache by hand)
-    batch = build_batch(sched.schedule(), cache, bucket, True, ROW_BUCKETS).to(DEVICE)
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
-    cache.values[0].copy_(torch.randn_like(cache.values[0]))
-    return cache, batch
+def _decode_batch(ctx_lens):
+    return decode_batch(ctx_lens, device=DEVICE)
 
 
 @pytest.mark.parametrize("ctx_lens,window,splits", [

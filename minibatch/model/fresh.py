@@ -41,6 +41,8 @@ import types
 
 import torch
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 from . import triton_decode
 from .attention import attend_rows, decode_mask
 
@@ -114,14 +116,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,
               kv_pos, positions, rows, window, scaling) -> torch.Tensor:
-    """The operator's work as the model's own ops do it (the norm and rotary embedding of transformers'
-    Qwen3 and Llama layers, the cache write and einsum attention of attention.py)."""
+    """The operator's work as the model's own ops do it (transformers' RMSNorm and rotary embedding, as in
+    its Llama and Qwen3 layers; the cache write and einsum attention of attention.py)."""
     dim = k_cache.shape[2]
     q, k, v = (t.reshape(t.shape[0], -1, dim) for t in (q, k, v))  # [R, heads, D]
     if q_weight is not None:
         q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
-    cos, sin = cos[:, None], sin[:, None]
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # (cos, sin [R, D]: over the heads)
     k_cache.index_copy_(0, cell_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, cell_mapping, v.to(v_cache.dtype))
     keys, values = k_cache.index_select(0, kv_indices), v_cache.index_select(0, kv_indices)
@@ -134,8 +135,3 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
