@@ -123,7 +123,8 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     own = minibatch.generate(model, work, cuda_graphs=False, **kw)
     launches = []
     real_launch = triton_decode.launch
-    monkeypatch.setattr(triton_decode, "launch", lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    monkeypatch.setattr(triton_decode, "launch",
+                        lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
     monkeypatch.setattr(fresh, "ENABLED", True)
     assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
     assert launches and all(f is not None for f in launches)

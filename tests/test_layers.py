@@ -151,8 +151,10 @@ def test_functions_are_short():
 
 
 # A Triton kernel takes every pointer, stride and size as an argument of its own, and its launcher passes
-# them on; everywhere else a long list of parameters is a dataclass waiting to be written
-KERNELS = {"minibatch/model/triton_decode.py", "minibatch/model/attention.py", "minibatch/speed/skinny.py"}
+# them on (a custom operator's schema, too, takes each tensor apart); everywhere else a long list of
+# parameters is a dataclass waiting to be written
+KERNELS = {"minibatch/model/triton_decode.py", "minibatch/model/attention.py", "minibatch/speed/skinny.py",
+           "minibatch/model/fresh.py"}
 # the ones that may: a hot path's private helper and the offline front door (a SamplingParams, an
 # EngineConfig and the run's hooks)
 MANY_PARAMETERS = {"_pad_rows", "generate"}

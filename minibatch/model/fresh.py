@@ -15,13 +15,13 @@ query heads and walks its keys, so it can do that work itself:
             cache[cell_mapping[r], h] = k_new, v_new
             fold k_new and v_new into its running max, sum and weighted values, like one more key
 
-So no program reads a cell that another program of the same launch writes, and the loop does no
-more than before (one comparison per key): the new key and value are computed after it, by one
-program. (Held in registers through the loop, to stand in for the cache's copy wherever a chunk
-reached this step's cell, they took the 0.6B program to 255 registers and spills, compiled for sm_90
-by scripts/experiments/kernel_resources.py; this way it has none.) Each product is rounded to the model's dtype where the model's own ops round
-it (PyTorch's eager rules), so the cache holds what the layer's own forward would write, up to the
-last bit of the norm's sum (its order differs).
+So no program reads a cell that another program of the same launch writes, and the loop does no more
+than before (one comparison per key): the new key and value are computed after it, by one program. (Held
+in registers through the loop, to stand in for the cache's copy wherever a chunk reached this step's
+cell, they took the 0.6B program to 255 registers and spills, compiled for sm_90 by
+scripts/experiments/kernel_resources.py; this way it has none.) Each product is rounded to the model's
+dtype where the model's own ops round it (PyTorch's eager rules), so the cache holds what the layer's
+own forward would write, up to the last bit of the norm's sum (its order differs).
 
 How: `install(hf)` gives every attention layer of a family whose forward is projections, optional
 q/k RMSNorm, rotary embedding, attention and output projection (`FAMILIES`) a forward that, in a

@@ -94,8 +94,33 @@ if triton is not None:
         return (a + b).to(dt)
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr,
-                       m_ptr, l_ptr, acc_ptr,
+    def _query(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, FRESH: tl.constexpr,
+               NORM: tl.constexpr):
+        """The query heads a program serves [BLOCK_G, D]: as RoPE left them, or (FRESH: fresh.py) as their
+        projection did, normed and rotated here."""
+        if FRESH:
+            return _fresh(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D, NORM)
+        return tl.load(q_rows + offs_d[None, :], mask=gmask, other=0.0)
+
+    @triton.jit
+    def _new_key(q, m_i, l_i, acc, k_raw, v_raw, k_cell, v_cell, offs_d, kw_ptr, cos_ptr, sin_ptr, eps, scale,
+                 D: tl.constexpr, NORM: tl.constexpr):
+        """This step's key (normed and rotated) and value: written into the cache cell, and folded into the
+        running max m, sum l and weighted values acc like one more key (always visible: the row's own)."""
+        k_new = _fresh(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_ptr, sin_ptr,
+                       eps, D, NORM)  # [1, D]
+        v_new = tl.load(v_raw + offs_d[None, :])
+        tl.store(k_cell + offs_d[None, :], k_new.to(k_cell.dtype.element_ty))
+        tl.store(v_cell + offs_d[None, :], v_new.to(v_cell.dtype.element_ty))
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # [G]
+        m_new = tl.maximum(m_i, s_new)
+        p = tl.exp(s_new - m_new)
+        alpha = tl.exp(m_i - m_new)
+        p_v = p.to(v_new.dtype).to(tl.float32)  # (rounded as the loop's p before its product with v)
+        return m_new, l_i * alpha + p, acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -110,12 +135,9 @@ if triton is not None:
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
-        if FRESH:  # this step's q as its projection left it (fresh.py): normed and rotated here
-            q = _fresh(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
-                       sin_ptr + r * scs_r, eps, D, NORM)
-            new_slot = tl.load(cm_ptr + r)  # this step's cell: left out below, its key added after the loop
-        else:
-            q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + offs_d[None, :], mask=gmask, other=0.0)
+        q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
+                   sin_ptr + r * scs_r, eps, D, FRESH, NORM)
+        new_slot = tl.load(cm_ptr + r) if FRESH else -1  # this step's cell (fresh.py): added after the loop
         q_pos = tl.load(pos_ptr + r)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -153,20 +175,18 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if FRESH:
             if split == 0:  # one program per (row, head): the new key and value, into the cache and the sums
-                k_new = _fresh(kn_ptr + r * skn_r + h * D + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D,
-                               kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, D, NORM)  # [1, D]
-                v_new = tl.load(vn_ptr + r * svn_r + h * D + offs_d[None, :])
-                tl.store(k_ptr + new_slot * sk_s + h * sk_h + offs_d[None, :], k_new.to(k_ptr.dtype.element_ty))
-                tl.store(v_ptr + new_slot * sv_s + h * sv_h + offs_d[None, :], v_new.to(v_ptr.dtype.element_ty))
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # [G]: always visible (its own)
-                m_new = tl.maximum(m_i, s_new)
-                p = tl.exp(s_new - m_new)
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + p
-                p_v = p.to(v_new.dtype).to(tl.float32)  # (rounded as the loop's p before its product with v)
-                acc = acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
-                m_i = m_new
-        if SPLIT:  # partial results [rows, heads, splits, (D)], float32, combined by _combine_kernel
+                m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
+                                         k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
+                                         offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
+        _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, G, D,
+                SPLIT)
+
+    @triton.jit
+    def _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h,
+                G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+        """A program's result: with a split, its partials [rows, heads, splits, (D)] in float32, which
+        _combine_kernel combines; without, the attention's output."""
+        if SPLIT:
             at = (r * tl.num_programs(1) * G + heads) * tl.num_programs(2) + split
             tl.store(m_ptr + at, m_i, mask=offs_g < G)
             tl.store(l_ptr + at, l_i, mask=offs_g < G)

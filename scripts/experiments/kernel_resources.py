@@ -41,8 +41,8 @@ FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
 
 
 def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> dict:
-    """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits); `fresh`: model/fresh.py's
-    (q/k/v from their projections, normed, rotated and cached by the kernel)."""
+    """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits); `fresh`:
+    model/fresh.py's (q/k/v from their projections, normed, rotated and cached by the kernel)."""
     return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
                 WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
