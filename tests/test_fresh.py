@@ -43,6 +43,19 @@ def test_the_fresh_path_gives_the_layers_own_logits_and_cache(name, dtype, monke
 reference = fresh.reference
 
 
+def test_a_model_with_the_fresh_forward_still_pickles():
+    """install() leaves a model that pickle can copy (as a device process or torch.save needs), the copy's
+    layers with the fresh forward bound to themselves."""
+    import pickle
+
+    model = minibatch.load_model("random-llama", device="cpu", dtype=torch.float32)
+    fresh.install(model.hf)
+    copy = pickle.loads(pickle.dumps(model.hf))
+    layer = copy.model.layers[0].self_attn
+    assert layer.forward.func is fresh._forward and layer.forward.args == (layer,)
+    assert fresh.install(copy) == 0
+
+
 def test_prefill_steps_and_the_switch_off_take_the_layers_own_forward(monkeypatch):
     """A flat step (prompts) never takes the fresh path, nor a decode step while ENABLED is off."""
     model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)

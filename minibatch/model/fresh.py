@@ -37,7 +37,7 @@ Status: an experiment, off (`ENABLED`) until timed in a compiled step on a GPU
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -59,8 +59,8 @@ def install(hf: torch.nn.Module) -> int:
     """Give each attention layer of `FAMILIES` in `hf` the forward below (once). -> layers changed."""
     changed = 0
     for module in hf.modules():
-        if type(module).__name__ in FAMILIES and getattr(module.forward, "__func__", None) is not _forward:
-            module.forward = types.MethodType(_forward, module)
+        if type(module).__name__ in FAMILIES and getattr(module.forward, "func", None) is not _forward:
+            module.forward = functools.partial(_forward, module)  # (a partial, unlike a bound method, pickles)
             changed += 1
     return changed
 
