@@ -54,10 +54,33 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym,
+    def _row_rstd(x_rows, r_rows, h_rows, inside_m, K, eps, write, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(prenorm.py) RMSNorm's 1 / rms of each row of h = x + r (rounded to x's dtype), over all of K;
+        where `write`, h itself is stored (the model's residual stream)."""
+        rk = tl.arange(0, BLOCK_K)
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            kk = start + rk[None, :]
+            mask = inside_m & (kk < K)
+            x = tl.load(x_rows + kk, mask=mask, other=0.0)
+            h = (x.to(tl.float32) + tl.load(r_rows + kk, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            if write:
+                tl.store(h_rows + kk, h, mask=mask)
+            squares += tl.sum(h.to(tl.float32) * h.to(tl.float32), 1)
+        return tl.rsqrt(squares / K + eps)
+
+    @triton.jit
+    def _normed(x, r, nw, rstd):
+        """(prenorm.py) RMSNorm(x + r) with weight nw, each step rounded as transformers' RMSNorm rounds it."""
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        n = (h.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        return (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -74,11 +97,17 @@ if triton is not None:
             for i in range(0, pieces):
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
+        if PRE:  # x is RMSNorm(x + r) (prenorm.py): the rows' 1 / rms first, from all of K
+            rstd = _row_rstd(x_rows, r_ptr + rm[:, None] * srm, h_ptr + rm[:, None] * shm, rm[:, None] < M, K, eps,
+                             pid_n + pid_k == 0, BLOCK_M, BLOCK_K)
         for i in tl.range(0, pieces, num_stages=STAGES):
             kk = start + i * BLOCK_K + rk
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
+            if PRE:
+                r = tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
+                x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
             if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
             else:
@@ -101,8 +130,9 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> None:
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
+    `pre` (prenorm.py): (r, norm_weight, h, eps): y = RMSNorm(x + r) @ w.T, and h = x + r stored.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
@@ -116,11 +146,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict) -> 
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    r, norm_weight, h, eps = pre or (x, x, x, 0.0)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
-        x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0),
+        x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
+        h.stride(0), float(eps),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        num_warps=setting["warps"],
+        PRE=pre is not None, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -178,17 +210,22 @@ def _(x, weight):
 def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.numel() // max(k, 1)
-    usable = (x.is_cuda and available() and weight.stride(-1) == 1 and x.dtype == weight.dtype
-              and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
-    chosen = settings(rows, n, k) if usable else None
+    chosen = settings(rows, n, k) if usable(x, weight) else None
     if chosen is None:
         return torch.nn.functional.linear(x, weight)
     y = x.new_empty(rows, n)
-    launch(_flat_rows(x, rows), weight, y, chosen)
+    launch(flat_rows(x, rows), weight, y, chosen)
     return y.reshape(*x.shape[:-1], n)
 
 
-def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernel take x @ weight.T at all (a CUDA tensor, with Triton; one floating dtype; weight rows
+    contiguous)? Which products it takes is `settings`' rule."""
+    return (x.is_cuda and available() and weight.stride(-1) == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x as [rows, K] with contiguous rows (a view where it can be: a slice of a wider output stays one)."""
     flat = x.reshape(rows, x.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
@@ -221,7 +258,7 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
             continue
         _replace(gm, node, torch.ops.minibatch.skinny_linear.default, (x, w))
         routed += 1
-    return _recompiled(gm, routed)
+    return recompiled(gm, routed)
 
 
 def _weight(w, real: dict):
@@ -257,7 +294,7 @@ def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple) -> 
     gm.graph.erase_node(node)
 
 
-def _recompiled(gm: torch.fx.GraphModule, changed: int) -> int:
+def recompiled(gm: torch.fx.GraphModule, changed: int) -> int:
     if changed:
         gm.graph.lint()
         gm.recompile()

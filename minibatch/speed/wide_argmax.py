@@ -63,7 +63,7 @@ def _last_dim_argmax(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def split(gm: torch.fx.GraphModule, example_inputs=None) -> int:
     """Replace each wide last-dimension `argmax` by `two_step_argmax`; returns how many it replaced."""
-    from .skinny import _recompiled, _replace  # (the graph edits skinny.py's passes make; imported late as
+    from .skinny import recompiled, _replace  # (the graph edits skinny.py's passes make; imported late as
     # siblings.py imports skinny.py, which imports Triton where it is installed)
 
     replaced = 0
@@ -77,4 +77,4 @@ def split(gm: torch.fx.GraphModule, example_inputs=None) -> int:
             continue
         _replace(gm, node, two_step_argmax, (x, width))
         replaced += 1
-    return _recompiled(gm, replaced)
+    return recompiled(gm, replaced)

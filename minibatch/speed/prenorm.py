@@ -1,0 +1,122 @@
+"""The residual add and RMSNorm before a product, inside skinny.py's kernel (an experiment, off).
+
+Why: in a compiled decode step of a small model every layer runs two kernels that add a block's output
+to the residual stream and RMS-normalize the sum (Inductor fuses the two into one): ~1.4 us each at
+the 0.6B shape, 55 of the step's ~300 kernels (BENCHMARKS.md, small models). Both feed a product (the
+merged q/k/v, the merged gate/up) whose every program reads the whole normalized row anyway. Where
+that product runs on skinny.py's kernel, the kernel can do the add and the norm itself:
+
+    each program, before its loop:  h = x + r (rounded); 1 / rms of each row of h, over all of K
+                                     (program 0 also stores h: the residual stream the layer goes on with)
+    in its loop, each piece:         x = weight * (h * (1 / rms))  (rounded as transformers' RMSNorm)
+
+`fuse(gm, example_inputs)`, a pass after skinny.route: each routed product whose input is transformers'
+RMSNorm of a sum (`a + b` -> to(float32) -> pow(2) -> mean(-1) -> + eps -> rsqrt -> * -> to(dtype) ->
+weight *) becomes one `minibatch::skinny_norm_linear` call, returning the product and the sum; the
+sum's other readers read the call's. The operator runs the kernel where skinny.settings picks it for
+the call's rows, else the same work as PyTorch ops (`rms_norm`, F.linear).
+
+Where it applies: only to products skinny.py's kernel takes, and a small model's q/k/v and gate/up are
+wider than its default rule (`skinny.WIDEST`); so it is timed with a wider rule
+(scripts/gpu/floor_matrix.py --variants NAME:prenorm=1,widest=1:8192/4:8192/8:8192). In a step compiled
+for any row count, rows the rule does not take run the PyTorch ops, unfused. Off (`ENABLED`) until timed.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import skinny
+
+#: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
+ENABLED = False
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama's, Qwen3's): in float32, then back to the input's dtype, then the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@torch.library.custom_op("minibatch::skinny_norm_linear", mutates_args=())
+def skinny_norm_linear(x: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + r) @ weight.T, x + r), by skinny.py's kernel where its rule takes the product."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.numel() // max(k, 1)
+    chosen = skinny.settings(rows, n, k) if skinny.usable(x, weight) and r.dtype == x.dtype else None
+    if chosen is None:
+        h = x + r
+        return torch.nn.functional.linear(rms_norm(h, norm_weight, eps), weight), h
+    y, h = x.new_empty(rows, n), x.new_empty(rows, k)
+    skinny.launch(skinny.flat_rows(x, rows), weight, y, chosen, pre=(skinny.flat_rows(r, rows), norm_weight, h, eps))
+    return y.reshape(*x.shape[:-1], n), h.reshape(x.shape)
+
+
+@skinny_norm_linear.register_fake
+def _(x, r, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+
+
+def _call(node, target, kind: str = "call_function", users: int | None = 1) -> bool:
+    """Is `node` an FX node calling `target` (a function, or a method's name), with `users` readers?"""
+    return (isinstance(node, torch.fx.Node) and node.op == kind and node.target == target
+            and (users is None or len(node.users) == users))
+
+
+def _norm_of_sum(x) -> tuple | None:
+    """(a, b, weight, eps, [the norm's nodes]) where `x` is transformers' RMSNorm of a sum a + b, else None."""
+    if not (_call(x, operator.mul) and len(x.args) == 2 and _call(x.args[1], "to", "call_method")):
+        return None
+    weight, to_dtype = x.args
+    scaled = to_dtype.args[0]
+    if not (_call(scaled, operator.mul) and _call(scaled.args[1], torch.rsqrt)):
+        return None
+    hf, rsqrt = scaled.args
+    add = rsqrt.args[0]
+    if not (_call(add, operator.add) and isinstance(add.args[1], float) and _call(add.args[0], "mean", "call_method")):
+        return None
+    pow_ = add.args[0].args[0]
+    if not (_call(pow_, "pow", "call_method") and pow_.args[1:] == (2,) and pow_.args[0] is hf
+            and _call(hf, "to", "call_method", users=2) and tuple(hf.args[1:]) == (torch.float32,)):
+        return None
+    total = hf.args[0]
+    if not (_call(total, operator.add, users=None) and len(total.args) == 2
+            and all(isinstance(a, torch.fx.Node) for a in total.args)):
+        return None
+    return (*total.args, weight, add.args[1], [x, to_dtype, scaled, rsqrt, add, add.args[0], pow_, hf])
+
+
+def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """The pass (siblings.py's backend runs it after skinny.route when ENABLED): each skinny_linear call
+    on the RMSNorm of a sum becomes one skinny_norm_linear call. Returns how many."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if not _call(node, torch.ops.minibatch.skinny_linear.default, users=None):
+            continue
+        found = _norm_of_sum(node.args[0])
+        if found is None:
+            continue
+        a, b, norm_weight, eps, norm_nodes = found
+        total = norm_nodes[-1].args[0]
+        readers = [u for u in total.users if u is not norm_nodes[-1]]
+        if any(order[u] < order[node] for u in readers):
+            continue  # (the sum is read before the product: it must exist there)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.ops.minibatch.skinny_norm_linear.default,
+                                          (a, b, norm_weight, eps, node.args[1]))
+            product = gm.graph.call_function(operator.getitem, (call, 0))
+            new_total = gm.graph.call_function(operator.getitem, (call, 1))
+        product.meta.update(node.meta)
+        new_total.meta.update(total.meta)
+        node.replace_all_uses_with(product)
+        for reader in readers:
+            reader.replace_input_with(total, new_total)
+        for dead in [node, *norm_nodes, total]:
+            gm.graph.erase_node(dead)
+        fused += 1
+    return skinny.recompiled(gm, fused)

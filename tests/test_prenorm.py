@@ -1,0 +1,83 @@
+"""The residual add and RMSNorm inside skinny.py's kernel (speed/prenorm.py).
+
+On the CPU (CI): the graph pass on a compiled decode step (the operator then runs PyTorch ops) against
+the eager step. With Triton (a GPU, or its interpreter: TRITON_INTERPRET=1 set before pytest starts):
+the kernel's prologue against those PyTorch ops.
+"""
+
+import os
+
+import pytest
+import torch
+
+import minibatch
+from decode_tables import decode_batch
+from minibatch.speed import prenorm, siblings, skinny
+from minibatch.speed.compat import inductor_compile
+
+KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.mark.parametrize("name", ["random-qwen3", "random-llama"])
+def test_the_pass_fuses_every_norm_of_a_sum_and_keeps_the_logits(name):
+    """Every RMSNorm of a residual sum that feeds a routed product (all but the first layer's input norm,
+    whose input is the embedding) becomes one skinny_norm_linear call; the logits and the cache the step
+    leaves are the eager step's (float32, to rounding)."""
+    model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    fused = []
+
+    def backend(gm, example_inputs):
+        siblings.merge(gm, example_inputs)
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        fused.append(prenorm.fuse(gm, example_inputs))
+        targets = [n.target for n in gm.graph.nodes]
+        assert targets.count(torch.ops.minibatch.skinny_norm_linear.default) == fused[-1]
+        assert torch.rsqrt in targets  # (the first layer's input norm stays)
+        return inductor_compile(gm, example_inputs, None, ())
+
+    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim)
+    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        want = model._forward(batch, cache)
+        got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
+    assert fused == [2 * model.num_layers - 1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_operator_without_the_kernel_is_the_models_own_ops():
+    """Where the kernel does not run (here: a CPU tensor), the operator adds, norms and multiplies with
+    PyTorch ops, as transformers' layers do: bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+    norm_weight, weight = torch.rand(64, generator=g).bfloat16(), torch.randn(48, 64, generator=g).bfloat16()
+    y, h = prenorm.skinny_norm_linear(x, r, norm_weight, 1e-6, weight)
+    assert torch.equal(h, x + r)
+    assert torch.equal(y, torch.nn.functional.linear(prenorm.rms_norm(x + r, norm_weight, 1e-6), weight))
+
+
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("setting", [
+    dict(block_n=4, block_k=64, warps=4, stages=3),
+    dict(block_n=8, block_k=64, warps=4, stages=1, split=2),
+    dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
+], ids=["plain", "split2", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_kernel_adds_and_norms_as_the_models_ops_do(rows, setting, dtype):
+    """launch with `pre` against rms_norm(x + r) @ w.T and x + r, with K not a multiple of the piece, N not
+    of the columns per program, the norm's sum over all of K whatever the piece or split."""
+    g = torch.Generator().manual_seed(rows)
+    x, r = (torch.randn(rows, 200, generator=g).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(200, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(52, 200, generator=g) / 10).to(DEVICE, dtype)
+    y, h = torch.empty(rows, 52, device=DEVICE, dtype=dtype), torch.empty(rows, 200, device=DEVICE, dtype=dtype)
+    skinny.launch(x, w, y, setting, pre=(r, norm_weight, h, 1e-6))
+    assert torch.equal(h, x + r)
+    want = torch.nn.functional.linear(prenorm.rms_norm(x + r, norm_weight, 1e-6).float(), w.float())
+    tol = 5e-2 if setting.get("dot") and DEVICE == "cuda" or dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
