@@ -133,6 +133,33 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
         assert engine.generate(work, mode="async", compile=True, **kw) == own
 
 
+def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
+    """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
+    kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the
+    eager tokens (float32, sync and async; with fresh.py's path too)."""
+    from minibatch.model import fresh
+    from minibatch.speed import prenorm, skinny
+
+    fused = []
+    real_fuse = prenorm.fuse
+    monkeypatch.setattr(prenorm, "fuse", lambda *a: fused.append(real_fuse(*a)) or fused[-1])
+    monkeypatch.setattr(prenorm, "ENABLED", True)
+    monkeypatch.setattr(skinny, "WIDEST", {8: 8192})
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(12)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
+    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="sync", compile=True, **kw) == own
+        assert engine.generate(work, mode="async", compile=True, **kw) == own
+    assert fused and set(fused) == {2 * model.num_layers - 1}
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    torch._dynamo.reset()
+    with minibatch.Engine(model) as engine:
+        assert engine.generate(work, mode="async", compile=True, **kw) == own
+
+
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
     model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens

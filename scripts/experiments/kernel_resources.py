@@ -47,11 +47,15 @@ def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> 
                 WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
 
-def skinny_settings(rows: int, pdl: bool) -> dict:
-    """skinny.launch's constants for `rows` rows at the setting skinny.settings ships."""
-    s = skinny.settings(rows, 1024, 1024)
-    return dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], STAGES=s["stages"],
-                SPLIT=False, DOT=False, PDL=pdl, LINE=64)
+def skinny_settings(rows: int, pdl: bool, n: int = 1024, pre: bool = False) -> dict:
+    """skinny.launch's constants for `rows` rows at the setting skinny.settings ships (for an n-column product
+    that `WIDEST` lets in); `pre`: with speed/prenorm.py's residual add and RMSNorm."""
+    saved, skinny.WIDEST = skinny.WIDEST, {8: 8192}
+    s = skinny.settings(rows, n, 1024)
+    skinny.WIDEST = saved
+    dot = s.get("dot", False)
+    return dict(BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(rows)), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"],
+                STAGES=s["stages"], SPLIT=False, DOT=dot, PDL=pdl, LINE=64, PRE=pre)
 
 
 def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
@@ -76,6 +80,12 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
         c = skinny_settings(rows, pdl)
         ints = dict(M=rows, N=1024, K=2048, pieces=2048 // c["BLOCK_K"], sxm=2048, swn=2048, sym=1024)
         label = f"skinny product, {rows} row{'s' * (rows > 1)}, pdl={int(pdl)}"
+        out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
+    for rows, pre in ((1, False), (1, True), (4, False), (4, True)):  # the 0.6B merged q/k/v product (4096 x 1024)
+        c = skinny_settings(rows, True, n=4096, pre=pre)  # with a rule that lets it in; 8 rows: as 4 (16-row tiles)
+        ints = dict(M=rows, N=4096, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=4096, srm=1024,
+                    shm=1024)
+        label = f"skinny{' + norm' * pre}, q/k/v, {rows} row{'s' * (rows > 1)}, pdl=1"
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
     return out
 

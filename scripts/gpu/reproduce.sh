@@ -25,10 +25,11 @@
 #              reduction (--variants late:... separate:... one_argmax:...), and the 0.6B
 #              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
 #   switches   the small-model switches against the default step (floor_matrix.py --variants, 0.6B shape,
-#              batches 1, 4 and 8 in a command each, ~3-4 minutes each): q/k/v handed to the decode kernel as their
-#              projections left them (fresh=1: model/fresh.py, off), and that with the merged q/k/v and gate/up
-#              products on speed/skinny.py's kernel, the 2048-input product in one piece and the carry-over as one
-#              compiled kernel (widest=..., one_piece=1, carry=1, all off); not in the default list
+#              batches 1, 4 and 8 in a command each, ~4 minutes each): q/k/v handed to the decode kernel as their
+#              projections left them (fresh=1: model/fresh.py, off); that with the merged q/k/v and gate/up
+#              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
+#              speed/prenorm.py, off); and those with the 2048-input product in one piece and the carry-over as one
+#              compiled kernel (one_piece=1, carry=1, off); not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -87,8 +88,8 @@ for s in $sections; do
     switches) wide="widest=1:8192/4:8192/8:8192"
               for b in 1 4 8; do
                 python3 scripts/gpu/floor_matrix.py "$out/$s/b$b" --model qwen3-0.6b-shape --batches $b --contexts 512 \
-                    --compile --kernels top --variants "fresh:fresh=1" \
-                    "all:fresh=1,$wide,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
+                    --compile --kernels top --variants "fresh:fresh=1" "prenorm:fresh=1,$wide,prenorm=1" \
+                    "all:fresh=1,$wide,prenorm=1,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
                 tail -8 "$out/$s/floor_b$b.log"
               done ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
