@@ -690,6 +690,13 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # and without, side by side. Compiled for the H200 without one (`kernel_resources.py`), the kernel has
 # no spills and still fits 5 programs to a multiprocessor at 4-64 rows, 3 instead of 4 at one row,
 # where a step launches fewer programs than there are multiprocessors anyway.
+#
+# A second experiment goes after the other small kernel of every half-layer: the residual add and
+# RMSNorm before the q/k/v and gate/up products (`minibatch/speed/prenorm.py`). Every program of our
+# few-row product kernel reads the whole normalized row anyway, so it can add the two inputs, take the
+# row's root mean square and scale each piece as it streams the weight; a graph pass finds the norm's
+# eight ops in the compiled step and hands them to the kernel. It needs those wide products on our
+# kernel, which its rule keeps on cuBLAS by default, so it is timed together with a wider rule.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
