@@ -91,21 +91,32 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
+def small_qwen3_run(seed):
+    """A random Qwen3 on the GPU (float32), four prompts of 5-30 tokens, the run's options, and its eager
+    tokens: what the tests of a compiled step's switches below compare against."""
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
+    return model, work, kw, minibatch.generate(model, work, cuda_graphs=False, **kw)
+
+
+def compiled_runs_give(tokens, model, work, kw, modes=("sync", "async")):
+    """Compiled runs of `work` (one engine, each mode in turn) give `tokens`; -> that engine's CompiledStep."""
+    with minibatch.Engine(model) as engine:
+        for mode in modes:
+            assert engine.generate(work, mode=mode, compile=True, **kw) == tokens, mode
+    return engine._compiled
+
+
 def test_the_carry_over_as_one_compiled_kernel_gives_the_same_tokens(monkeypatch):
     """compiled.CARRY_OVER: every step's carry-over through a compiled kernel of its own (inside the steps'
     CUDA graphs); async runs carry a token over in every decode step: the eager tokens, sync and async."""
     from minibatch.speed import compiled
 
     monkeypatch.setattr(compiled, "CARRY_OVER", True)
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(8)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
-    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
-    with minibatch.Engine(model) as engine:
-        assert engine.generate(work, mode="sync", compile=True, **kw) == eager
-        assert engine.generate(work, mode="async", compile=True, **kw) == eager
-        assert engine._compiled.carry_over is not None
+    model, work, kw, eager = small_qwen3_run(8)
+    assert compiled_runs_give(eager, model, work, kw).carry_over is not None
 
 
 def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
@@ -116,11 +127,7 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
 
     if not triton_decode.available():
         pytest.skip("needs triton")
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(11)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
-    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    model, work, kw, own = small_qwen3_run(11)
     launches = []
     real_launch = triton_decode.launch
     monkeypatch.setattr(triton_decode, "launch",
@@ -128,9 +135,7 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     monkeypatch.setattr(fresh, "ENABLED", True)
     assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
     assert launches and all(f is not None for f in launches)
-    with minibatch.Engine(model) as engine:
-        assert engine.generate(work, mode="sync", compile=True, **kw) == own
-        assert engine.generate(work, mode="async", compile=True, **kw) == own
+    compiled_runs_give(own, model, work, kw)
 
 
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
@@ -145,19 +150,12 @@ def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     monkeypatch.setattr(prenorm, "fuse", lambda *a: fused.append(real_fuse(*a)) or fused[-1])
     monkeypatch.setattr(prenorm, "ENABLED", True)
     monkeypatch.setattr(skinny, "WIDEST", {8: 8192})
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(12)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
-    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
-    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
-    with minibatch.Engine(model) as engine:
-        assert engine.generate(work, mode="sync", compile=True, **kw) == own
-        assert engine.generate(work, mode="async", compile=True, **kw) == own
+    model, work, kw, own = small_qwen3_run(12)
+    compiled_runs_give(own, model, work, kw)
     assert fused and set(fused) == {2 * model.num_layers - 1}
     monkeypatch.setattr(fresh, "ENABLED", True)
     torch._dynamo.reset()
-    with minibatch.Engine(model) as engine:
-        assert engine.generate(work, mode="async", compile=True, **kw) == own
+    compiled_runs_give(own, model, work, kw, modes=("async",))
 
 
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):

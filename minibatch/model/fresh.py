@@ -43,6 +43,7 @@ import torch
 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..speed.prenorm import rms_norm
 from . import triton_decode
 from .attention import attend_rows, decode_mask
 
@@ -121,17 +122,10 @@ def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell
     dim = k_cache.shape[2]
     q, k, v = (t.reshape(t.shape[0], -1, dim) for t in (q, k, v))  # [R, heads, D]
     if q_weight is not None:
-        q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # (cos, sin [R, D]: over the heads)
     k_cache.index_copy_(0, cell_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, cell_mapping, v.to(v_cache.dtype))
     keys, values = k_cache.index_select(0, kv_indices), v_cache.index_select(0, kv_indices)
     mask = decode_mask(kv_seq, kv_pos, positions, rows, window)
     return attend_rows(q.transpose(0, 1)[None], keys, values, mask, scaling)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (Llama's, Qwen3's): in float32, then back to the input's dtype, then the weight."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
