@@ -3,9 +3,10 @@
 Why: in a compiled decode step every attention layer runs two small kernels between its q/k/v
 product and its decode attention: one applies the query's and key's RMSNorm (Qwen3 has them) and the
 rotary embedding, one writes the new key and value into the paged cache. Each moves a few hundred
-bytes per head and takes 1-2 microseconds, mostly launch and ramp (BENCHMARKS.md, small models:
-~60 of the 0.6B step's ~320 kernels). The decode kernel (triton_decode.py) already loads each row's
-query heads and walks its keys, so it can do that work itself:
+bytes per head and takes 1-3 microseconds, mostly launch and ramp: 56 of the 0.6B step's ~320 kernels
+at one row (the kernel lists in figures/data/runs/gpu_small_models_switches_2026-12-05/). The decode
+kernel (triton_decode.py) already loads each row's query heads and walks its keys, so it can do that
+work itself:
 
     program (row r, key/value head h, split s), with FRESH:
         q = rotary(rmsnorm(q_raw[r, heads of h]))            the G query heads it serves

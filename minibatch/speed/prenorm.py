@@ -2,7 +2,8 @@
 
 Why: in a compiled decode step of a small model every layer runs two kernels that add a block's output
 to the residual stream and RMS-normalize the sum (Inductor fuses the two into one): ~1.4 us each at
-the 0.6B shape, 55 of the step's ~300 kernels (BENCHMARKS.md, small models). Both feed a product (the
+the 0.6B shape, 55 of the step's ~320 kernels at one row (the kernel lists in
+figures/data/runs/gpu_small_models_switches_2026-12-05/). Both feed a product (the
 merged q/k/v, the merged gate/up) whose every program reads the whole normalized row anyway. Where
 that product runs on skinny.py's kernel, the kernel can do the add and the norm itself:
 
