@@ -128,6 +128,7 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     if not triton_decode.available():
         pytest.skip("needs triton")
     model, work, kw, own = small_qwen3_run(11)
+    assert fresh.install(model.hf) == model.num_layers
     launches = []
     real_launch = triton_decode.launch
     monkeypatch.setattr(triton_decode, "launch",
@@ -153,6 +154,7 @@ def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     model, work, kw, own = small_qwen3_run(12)
     compiled_runs_give(own, model, work, kw)
     assert fused and set(fused) == {2 * model.num_layers - 1}
+    fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     torch._dynamo.reset()
     compiled_runs_give(own, model, work, kw, modes=("async",))

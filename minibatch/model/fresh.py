@@ -32,8 +32,9 @@ runs the kernel where the step's decode attention is "triton" and, elsewhere (a 
 as the model's own ops (`reference`), which the tests compare with the layer's own forward bit for
 bit.
 
-Status: an experiment, off (`ENABLED`) until timed in a compiled step on a GPU
-(scripts/gpu/floor_matrix.py --variants fresh:fresh=1).
+Status: an experiment, off until timed in a compiled step on a GPU (scripts/gpu/floor_matrix.py
+--variants fresh:fresh=1, which calls `install`): a model gets the forward only where `install` is
+called, and takes the path only while `ENABLED`; so far nothing calls it by default.
 """
 
 from __future__ import annotations

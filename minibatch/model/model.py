@@ -4,11 +4,9 @@ We do not touch the model's architecture or kernels: importing this module regis
 function with transformers under the name "minibatch_paged" (attention.py), and `load_model` sets
 every loaded model to use it. The batch's metadata reaches that function as an extra keyword
 argument of the model's forward (`minibatch=...`, see `Model._forward`).
-On a GPU two more things happen at set-up: the weights of sibling projections (q/k/v, gate/up) are
+On a GPU one more thing happens at set-up: the weights of sibling projections (q/k/v, gate/up) are
 moved into one tensor each, values unchanged, so that compiled steps can run them as one matrix
-product (siblings.py); and, where the decode attention is the Triton kernel, the attention layers
-get a forward that can hand that kernel q/k/v straight from their projections (fresh.py, off unless
-fresh.ENABLED; otherwise it calls the layer's own forward).
+product (siblings.py).
 
 Built-in names for `load_model`:
   "tiny"                 a small byte-level Llama trained on Python's own help text (ships in the repo)
@@ -92,10 +90,6 @@ class Model:
             from . import triton_decode
             fits = self.head_dim & (self.head_dim - 1) == 0  # the kernel tiles head_dim by powers of two
             self.decode_attention = "triton" if triton_decode.available() and fits else "sdpa"
-        if self.decode_attention == "triton":  # decode steps may hand that kernel q/k/v as their projections left
-            from . import fresh  # them (fresh.ENABLED, an experiment: fresh.py); off, the layers' own forward runs
-
-            fresh.install(self.hf)
         # flat steps (prefills, mixed): FlashAttention's varlen kernel where it runs (CUDA, half precision,
         # head_dim a multiple of 8 up to 256), else SDPA with a mask (attention.py says why)
         self.flat_attention = "sdpa"

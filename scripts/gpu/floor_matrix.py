@@ -237,6 +237,8 @@ def main() -> None:
         for spec in args.variants:
             label, inductor, modules[label] = parse_variant(spec)
             paths[label] = CompiledStep(model, args.compile_mode, inductor=inductor)
+            if modules[label].get((fresh, "ENABLED")):
+                fresh.install(model.hf)  # (the layers' own forward runs wherever fresh.ENABLED is off)
     points = []
     print(f"{'batch':>5} {'context':>7} {'floor ms':>8} {'linear ms':>9} " + " ".join(f"{p + ' ms':>12} {'x floor':>7}" for p in paths),
           flush=True)
