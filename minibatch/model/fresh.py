@@ -46,6 +46,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..speed.prenorm import rms_norm
+from ..speed.skinny import flat_rows
 from . import triton_decode
 from .attention import attend_rows, decode_mask
 
@@ -101,20 +102,16 @@ def paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     if not kernel:
         return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
                          kv_seq, kv_pos, positions, rows, window, scaling)
-    fresh = dict(k=_rows(k), v=_rows(v), q_weight=q_weight, k_weight=k_weight, eps=eps, cos=_rows(cos),
-                 sin=_rows(sin), cell_mapping=cell_mapping)
-    return triton_decode.launch(_rows(q), k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window,
-                                scaling, 0, fresh=fresh)
+    k, v, cos, sin, q = (flat_rows(t, t.shape[0]) for t in (k, v, cos, sin, q))  # (the kernel steps along rows)
+    fresh = dict(k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, cell_mapping=cell_mapping)
+    return triton_decode.launch(q, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, 0,
+                                fresh=fresh)
 
 
 @paged_decode_fresh.register_fake
 def _(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq, kv_pos,
       positions, rows, window, scaling, kernel):
     return q.new_empty(1, rows, q.shape[1] // k_cache.shape[2], k_cache.shape[2])
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()  # (the kernel steps along rows by their stride)
 
 
 def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,
