@@ -25,7 +25,8 @@
 #              reduction (--variants late:... separate:... one_argmax:...), and the 0.6B
 #              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
 #   switches   the small-model switches against the default step (floor_matrix.py --variants, 0.6B shape,
-#              batches 1, 4 and 8 in a command each, ~4 minutes each): q/k/v handed to the decode kernel as their
+#              batches 1, 4 and 8 in a command each, ~4 minutes each; BATCHES="1 4" runs a part, for a time
+#              limit per command): q/k/v handed to the decode kernel as their
 #              projections left them (fresh=1: model/fresh.py, off); that with the merged q/k/v and gate/up
 #              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
 #              speed/prenorm.py, off); and those with the 2048-input product in one piece and the carry-over as one
@@ -86,7 +87,7 @@ for s in $sections; do
            python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --model qwen3-0.6b-shape --rows 1,4,8 \
                > "$out/$s/skinny_gemv.log" 2>&1; tail -4 "$out/$s/skinny_gemv.log" ;;
     switches) wide="widest=1:8192/4:8192/8:8192"
-              for b in 1 4 8; do
+              for b in ${BATCHES:-1 4 8}; do
                 python3 scripts/gpu/floor_matrix.py "$out/$s/b$b" --model qwen3-0.6b-shape --batches $b --contexts 512 \
                     --compile --kernels top --variants "fresh:fresh=1" "prenorm:fresh=1,$wide,prenorm=1" \
                     "all:fresh=1,$wide,prenorm=1,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
