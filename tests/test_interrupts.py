@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -77,6 +78,38 @@ def shared_holders() -> list[str]:
     return out
 
 
+def run_interrupted(timer: threading.Thread, run) -> tuple[float | None, BaseException | None]:
+    """Start `timer` (it interrupts the main thread once or twice), call `run`, wait for the timer ->
+    (when the first KeyboardInterrupt came back, or None; any other exception `run` raised, or None).
+
+    An interrupt lands wherever the main thread is, in an except clause too; so each clause sits in
+    another that catches what lands in it (two interrupts, three levels), and the timer is joined before
+    anything is reported: an error reported while an interrupt is still to come would be cut short by
+    it, and pytest would end the whole run on a KeyboardInterrupt with the error lost."""
+    caught, errors = [], []
+    try:
+        try:
+            try:
+                timer.start()
+                run()
+            except KeyboardInterrupt:
+                caught.append(time.perf_counter())
+            except Exception as e:
+                errors.append(e)
+        except KeyboardInterrupt:
+            caught.append(time.perf_counter())
+    except KeyboardInterrupt:
+        caught.append(time.perf_counter())
+    while True:  # the rest of the interrupts, wherever they land
+        try:
+            timer.join()
+            time.sleep(0.05)
+            break
+        except KeyboardInterrupt:
+            pass
+    return (caught[0] if caught else None), (errors[0] if errors else None)
+
+
 def leftovers(collect: bool = True) -> dict:
     if collect:  # a device dropped by an interrupt goes with the next garbage collection
         gc.collect()
@@ -107,19 +140,9 @@ def test_random_interrupts_leave_nothing_behind(random_llama, work, backend):
                 _thread.interrupt_main()
 
         timer = threading.Thread(target=fire)
-        raised = None
-        try:
-            timer.start()
-            minibatch.generate(random_llama, work, mode=mode, **KW)
-        except KeyboardInterrupt:
-            raised = time.perf_counter()
-        while True:  # the rest of the interrupts, wherever they land
-            try:
-                timer.join()
-                time.sleep(0.05)
-                break
-            except KeyboardInterrupt:
-                pass
+        raised, error = run_interrupted(timer, lambda: minibatch.generate(random_llama, work, mode=mode, **KW))
+        assert error is None, f"interrupt {i} (delays {delays}, mode {mode}) made generate raise {error!r}, " \
+            f"not KeyboardInterrupt: {''.join(traceback.format_exception(error))}"
         if raised is not None:
             interrupted += 1
             returns.append(raised - fired[0])
@@ -196,3 +219,51 @@ def test_closing_the_device_releases_its_process_handle_while_interrupts_wait():
     dev.close()
     pending = [f for f in list(util._finalizer_registry.values()) if getattr(f, "_weakref", lambda: None)() is popen]
     assert pending == []
+
+
+def interrupt_right_after_release(cond):
+    """Make `cond.wait` take the Ctrl-C at its worst moment: its lock just let go, before the code
+    that takes it back is protected (threading.Condition does this step in Python of its own)."""
+    release = cond._release_save
+
+    def release_then_interrupt():
+        state = release()
+        _thread.interrupt_main()
+        time.sleep(0.01)  # Python checks for the interrupt here, as it may at any line
+        return state
+
+    cond._release_save = release_then_interrupt
+    return lambda: delattr(cond, "_release_save")
+
+
+def test_an_interrupt_inside_a_device_wait_comes_back_as_keyboardinterrupt():
+    """It came back as RuntimeError('release unlocked lock') from the caller's `with lock:`, the lock
+    left unheld (a rare failure of the random-interrupt test above: the window is a few lines wide)."""
+    dev = get_device("cpu-threads")
+    try:
+        s = dev.stream("work")
+        s.sleep(0.3)
+        ev = dev.event()
+        s.record(ev)
+        restore = interrupt_right_after_release(dev._cv)
+        with pytest.raises(KeyboardInterrupt):
+            ev.synchronize(10)
+        restore()
+        ev.synchronize(10)  # the device still works
+        assert ev.query() and not dev._lock.locked()
+    finally:
+        dev.close()
+
+
+def test_an_interrupt_while_reading_a_token_stream_comes_back_as_keyboardinterrupt():
+    from minibatch.serving.stream import Chunk, TokenStream
+
+    stream = TokenStream(rid=0, prompt_tokens=1)
+    restore = interrupt_right_after_release(stream._cond)
+    with pytest.raises(KeyboardInterrupt):
+        stream.wait(5)
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(stream))
+    restore()
+    threading.Timer(0.05, lambda: stream.put(Chunk([7], "", "length"), time.perf_counter())).start()
+    assert stream.wait(5).token_ids == [7] and not stream._cond._lock.locked()

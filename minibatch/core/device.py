@@ -151,6 +151,38 @@ def deferred_interrupts():
             previous(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
 
 
+WAIT_SLICE = 0.05  # seconds: the longest a Ctrl-C waits in `safe_wait`
+
+
+def safe_wait(cond: threading.Condition, timeout: float | None = None) -> None:
+    """`cond.wait(timeout)` that a Ctrl-C cannot split: the caller holds cond's lock, loops on what it
+    waits for (a return may come early, as a spurious wake-up can) and holds the lock again after.
+
+    `threading.Condition.wait` lets go of the lock and takes it back in Python code of its own, outside
+    the try that restores it; a Ctrl-C landing just there leaves the caller's `with cond:` releasing a
+    lock it no longer holds, and the user gets RuntimeError('release unlocked lock') in place of the
+    KeyboardInterrupt. In the main thread (the only one a Ctrl-C reaches) each wait is therefore a
+    slice of at most WAIT_SLICE seconds with interrupts deferred: the interrupt is raised when the
+    slice ends, with the lock held."""
+    if threading.current_thread() is not threading.main_thread():
+        cond.wait(timeout)
+        return
+    with deferred_interrupts():
+        cond.wait(WAIT_SLICE if timeout is None else min(WAIT_SLICE, timeout))
+
+
+def safe_wait_for(cond: threading.Condition, predicate, timeout: float | None = None) -> bool:
+    """`cond.wait_for(predicate, timeout)` on `safe_wait`: True once predicate() holds, False if
+    `timeout` seconds pass first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not predicate():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        safe_wait(cond, left)
+    return True
+
+
 class Event:
     """A marker recorded in a stream: `query() -> bool` (reached yet?), `synchronize(timeout=None)`."""
 

@@ -49,7 +49,7 @@ import torch
 
 from . import settings
 from . import lifecycle
-from ..core.device import Device, DeviceError, Event, deferred_interrupts, time_left
+from ..core.device import Device, DeviceError, Event, deferred_interrupts, safe_wait, time_left
 from .thread_streams import ThreadEvent, ThreadStream
 
 SWITCH_INTERVAL = 0.0002  # seconds; Python's default is 0.005
@@ -183,7 +183,7 @@ class ThreadDevice(Device):
             self._check()
             if done():
                 return
-            self._cv.wait(time_left(deadline, timeout, what))
+            safe_wait(self._cv, time_left(deadline, timeout, what))  # (a Ctrl-C comes back as itself)
 
 
 

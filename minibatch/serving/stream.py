@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..core.device import safe_wait_for
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -187,7 +189,7 @@ class TokenStream:
     def wait(self, timeout: float | None = None) -> "TokenStream":
         """Block until the request has finished (TimeoutError after `timeout` seconds)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout):
+            if not safe_wait_for(self._cond, lambda: self.done, timeout):  # (a Ctrl-C comes back as itself)
                 raise TimeoutError(f"request {self.rid} has not finished after {timeout} s")
         self._raise_error()
         return self
@@ -212,7 +214,7 @@ class TokenStream:
         i = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: i < len(self._chunks))
+                safe_wait_for(self._cond, lambda: i < len(self._chunks))
                 chunk = self._chunks[i]
             i += 1
             yield self._checked(chunk)
