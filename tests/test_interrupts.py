@@ -11,6 +11,7 @@ import gc
 import multiprocessing
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,16 @@ N = int(os.environ.get("MINIBATCH_INTERRUPTS", "30"))
 def work():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 12, 3, 9, 7, 4)]
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_handled():
+    """Ctrl-C as a terminal gives it: Python's handler on SIGINT. A shell starts a background job (`pytest
+    &`, a script's `cmd &`) with SIGINT ignored, and Python then leaves it ignored, so `interrupt_main`
+    would do nothing and every test here would fail for a reason that is not the library's."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(params=["cpu", "cpu-threads"])
@@ -187,8 +198,9 @@ def test_many_runs_leave_nothing_behind(random_llama):
 
 def test_the_process_exits_normally_after_an_interrupted_forward_pass():
     code = """
-import _thread, threading, minibatch
+import _thread, signal, threading, minibatch
 from minibatch.core import engine
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a process started in the background ignores it)
 from minibatch.devices import get_device
 m = minibatch.load_model("tiny")
 for kind in ("cpu-threads", "cpu"):  # interrupt a run on each backend mid-step, then exit
