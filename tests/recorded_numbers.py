@@ -302,6 +302,27 @@ def small_models_switches() -> dict:
     return out
 
 
+def small_models_fresh() -> dict:
+    """The 0.6B shape's compiled decode step with q/k/v handed to the decode kernel (fresh) and that with the
+    residual add and RMSNorm inside skinny.py's products under the wide rule (prenorm), against the default
+    compiled step: one process for batches 1, 4 and 8, then fresh alone again at 1 and at 4 and 8; one H200."""
+    run = DATA / "runs/gpu_small_models_fresh_2026-12-05/"
+    out = {}
+    for f in sorted(run.glob("*_floor_matrix_qwen3-0.6b-shape_*.json")):
+        stage = f.stem.split("_")[0]  # the command's number: 1 all three paths, 3 and 4 the repeats
+        for p in json.loads(f.read_text())["points"]:
+            key = f"q06_b{p['batch']}_run{stage}"
+            out[f"{key}_floor_ms"] = p["floor_ms"]
+            for path, v in p.items():
+                if isinstance(v, dict) and "ms" in v and path != "default":
+                    out[f"{key}_{path}_ms"] = v["ms"]
+                    out[f"{key}_{path}_x"] = v["over_floor"]
+                    for part in ("kernels", "matmul", "attention", "other"):
+                        if part in (v.get("kernels") or {}):  # (--kernels: what the profiler saw, per step)
+                            out[f"{key}_{path}_{part}"] = v["kernels"][part]
+    return out
+
+
 def _kernel_ms(path: dict, part: str) -> float:
     """ms per step of the kernels in a floor-matrix path's --kernels top list whose name holds `part`."""
     return sum(ms for name, ms, _ in path["kernels"]["top"] if part in name and name.startswith("other:"))
@@ -330,7 +351,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
-            "small_models_switches": small_models_switches}
+            "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -372,7 +393,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "small_models_switches": [f"figures/data/runs/gpu_small_models_switches_2026-12-05/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1", "2_floor_matrix_qwen3-0.6b-shape_b4",
                "2_floor_matrix_qwen3-0.6b-shape_b8", "3_decode_kernel_tune_qwen3-0.6b-shape",
-               "4_decode_kernel_tune_llama3-8b-shape", "4_floor_matrix_qwen3-0.6b-shape_lean")]}
+               "4_decode_kernel_tune_llama3-8b-shape", "4_floor_matrix_qwen3-0.6b-shape_lean")],
+           "small_models_fresh": [f"figures/data/runs/gpu_small_models_fresh_2026-12-05/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "3_floor_matrix_qwen3-0.6b-shape_b1",
+               "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
 
 
 def derive() -> dict:

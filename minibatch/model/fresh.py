@@ -32,9 +32,12 @@ runs the kernel where the step's decode attention is "triton" and, elsewhere (a 
 as the model's own ops (`reference`), which the tests compare with the layer's own forward bit for
 bit.
 
-Status: an experiment, off until timed in a compiled step on a GPU (scripts/gpu/floor_matrix.py
---variants fresh:fresh=1, which calls `install`): a model gets the forward only where `install` is
-called, and takes the path only while `ENABLED`; so far nothing calls it by default.
+Status: an experiment, timed and left off. A model gets the forward only where `install` is called
+(scripts/gpu/floor_matrix.py --variants fresh:fresh=1 does), and takes the path only while `ENABLED`.
+In the 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models") it saves 5% at 4 and 8 rows and
+costs 3% at one: the kernels it removes took less than what it adds to the attention kernel, whose
+every program now norms and rotates its query heads before its loop and whose first split does the
+new key after it. A rule that turns it on by row count is the next step, once timed as shipped.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ the call's rows, else the same work as PyTorch ops (`rms_norm`, F.linear).
 Where it applies: only to products skinny.py's kernel takes, and a small model's q/k/v and gate/up are
 wider than its default rule (`skinny.WIDEST`); so it is timed with a wider rule
 (scripts/gpu/floor_matrix.py --variants NAME:prenorm=1,widest=1:8192/4:8192/8:8192). In a step compiled
-for any row count, rows the rule does not take run the PyTorch ops, unfused. Off (`ENABLED`) until timed.
+for any row count, rows the rule does not take run the PyTorch ops, unfused. Timed and left off (`ENABLED`): in the
+0.6B compiled step on an H200 (BENCHMARKS.md, "Small models") the norm kernels go, but the wide products it
+needs run slower on skinny.py's kernel than on cuBLAS at 4 and 8 rows, by more than the norms saved.
 """
 
 from __future__ import annotations

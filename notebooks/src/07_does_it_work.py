@@ -685,18 +685,23 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 
 # %% [markdown]
 # On a GPU the operator runs the Triton kernel instead (`tests/test_fresh.py` compares the two, and
-# runs the kernel on the CPU too with Triton's interpreter). It is off by default (`fresh.ENABLED`)
-# until a GPU has timed it: `bash scripts/gpu/reproduce.sh OUTDIR switches` runs the 0.6B step with it
-# and without, side by side. Compiled for the H200 without one (`kernel_resources.py`), the kernel has
-# no spills and still fits 5 programs to a multiprocessor at 4-64 rows, 3 instead of 4 at one row,
-# where a step launches fewer programs than there are multiprocessors anyway.
+# runs the kernel on the CPU too with Triton's interpreter). Timed on the H200 in the 0.6B compiled
+# step (`bash scripts/gpu/reproduce.sh OUTDIR switches`, each path in one process), it removes 22-49 of
+# the step's ~300 kernels, yet the attention kernel grows by about 4 microseconds a layer: every program
+# now norms and rotates its query heads before walking the keys, and one program per row and head does
+# the new key after. At 4 and 8 rows the step got 5% faster (1.19 to 1.13 ms, 1.32 to 1.26 <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_compile_ms, small_models_fresh.q06_b4_run1_fresh_ms, small_models_fresh.q06_b8_run1_compile_ms, small_models_fresh.q06_b8_run1_fresh_ms -->), at one
+# row 3% slower (0.95 to 0.98 <!-- from figures/data/headline.json: small_models_fresh.q06_b1_run1_compile_ms, small_models_fresh.q06_b1_run1_fresh_ms -->), in two runs each. A faster path at some batch sizes and a slower one
+# at others is a common outcome of fusing: the work moved into one kernel now sits on its critical
+# path. So it stays off by default (`fresh.ENABLED`) until a rule that picks it by row count is timed.
 #
 # A second experiment goes after the other small kernel of every half-layer: the residual add and
 # RMSNorm before the q/k/v and gate/up products (`minibatch/speed/prenorm.py`). Every program of our
 # few-row product kernel reads the whole normalized row anyway, so it can add the two inputs, take the
 # row's root mean square and scale each piece as it streams the weight; a graph pass finds the norm's
 # eight ops in the compiled step and hands them to the kernel. It needs those wide products on our
-# kernel, which its rule keeps on cuBLAS by default, so it is timed together with a wider rule.
+# kernel, which its rule keeps on cuBLAS by default, so it is timed together with a wider rule, and
+# that is what sank it: the norm kernels went, but at 4 and 8 rows the wide products ran 0.2-0.3 ms
+# slower on our kernel than on cuBLAS, the whole step 1.20 and 1.43 ms <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_prenorm_ms, small_models_fresh.q06_b8_run1_prenorm_ms -->. It stays off too.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
