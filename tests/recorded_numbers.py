@@ -280,16 +280,7 @@ def small_models_switches() -> dict:
     Triton's defaults (--variants defaults:lean=0); and that kernel alone at both shapes
     (decode_kernel_tune.py); one H200."""
     run = DATA / "runs/gpu_small_models_switches_2026-12-05/"
-    out = {}
-    for f in sorted(run.glob("*_floor_matrix_qwen3-0.6b-shape_*.json")):
-        stage = "lean" if f.stem.endswith("_lean") else "switches"
-        for p in json.loads(f.read_text())["points"]:
-            key = f"q06_b{p['batch']}_{stage}"
-            out[f"{key}_floor_ms"] = p["floor_ms"]
-            for path, v in p.items():
-                if isinstance(v, dict) and "ms" in v and path != "default":
-                    out[f"{key}_{path}_ms"] = v["ms"]
-                    out[f"{key}_{path}_x"] = v["over_floor"]
+    out = _floor_paths(run, lambda f: "lean" if f.stem.endswith("_lean") else "switches")
     for model, short in (("qwen3-0.6b-shape", "q06"), ("llama3-8b-shape", "l8b")):
         for f in run.glob(f"*_decode_kernel_tune_{model}.json"):
             for p in json.loads(f.read_text())["points"]:
@@ -307,21 +298,25 @@ def small_models_fresh() -> dict:
     residual add and RMSNorm inside skinny.py's products under the wide rule (prenorm), against the default
     compiled step: one process for batches 1, 4 and 8, then fresh alone again at 1 and at 4 and 8; one H200."""
     run = DATA / "runs/gpu_small_models_fresh_2026-12-05/"
+    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number: 1 all paths, 3-4 repeats
+
+
+def _floor_paths(run: Path, stage) -> dict:
+    """Each compiled path of the 0.6B floor matrices in `run`, keyed q06_b{batch}_{stage(file)}_{path}: its ms,
+    its multiple of the floor and, where the run listed kernels (--kernels), their count and the ms by kind."""
     out = {}
     for f in sorted(run.glob("*_floor_matrix_qwen3-0.6b-shape_*.json")):
-        stage = f.stem.split("_")[0]  # the command's number: 1 all three paths, 3 and 4 the repeats
         for p in json.loads(f.read_text())["points"]:
-            key = f"q06_b{p['batch']}_run{stage}"
+            key = f"q06_b{p['batch']}_{stage(f)}"
             out[f"{key}_floor_ms"] = p["floor_ms"]
             for path, v in p.items():
                 if isinstance(v, dict) and "ms" in v and path != "default":
                     out[f"{key}_{path}_ms"] = v["ms"]
                     out[f"{key}_{path}_x"] = v["over_floor"]
                     for part in ("kernels", "matmul", "attention", "other"):
-                        if part in (v.get("kernels") or {}):  # (--kernels: what the profiler saw, per step)
+                        if part in (v.get("kernels") or {}):
                             out[f"{key}_{path}_{part}"] = v["kernels"][part]
     return out
-
 
 def _kernel_ms(path: dict, part: str) -> float:
     """ms per step of the kernels in a floor-matrix path's --kernels top list whose name holds `part`."""
