@@ -318,6 +318,7 @@ def _floor_paths(run: Path, stage) -> dict:
                             out[f"{key}_{path}_{part}"] = v["kernels"][part]
     return out
 
+
 def _kernel_ms(path: dict, part: str) -> float:
     """ms per step of the kernels in a floor-matrix path's --kernels top list whose name holds `part`."""
     return sum(ms for name, ms, _ in path["kernels"]["top"] if part in name and name.startswith("other:"))

@@ -686,7 +686,7 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # %% [markdown]
 # On a GPU the operator runs the Triton kernel instead (`tests/test_fresh.py` compares the two, and
 # runs the kernel on the CPU too with Triton's interpreter). Timed on the H200 in the 0.6B compiled
-# step (`bash scripts/gpu/reproduce.sh OUTDIR switches`, each path in one process), it removes 22-49 of
+# step (`scripts/gpu/floor_matrix.py --variants`, every path in one process), it removes 22-49 of
 # the step's ~300 kernels, yet the attention kernel grows by about 4 microseconds a layer: every program
 # now norms and rotates its query heads before walking the keys, and one program per row and head does
 # the new key after. At 4 and 8 rows the step got 5% faster (1.19 to 1.13 ms, 1.32 to 1.26 <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_compile_ms, small_models_fresh.q06_b4_run1_fresh_ms, small_models_fresh.q06_b8_run1_compile_ms, small_models_fresh.q06_b8_run1_fresh_ms -->), at one
