@@ -16,7 +16,7 @@ from minibatch.core.batch import build_batch
 from minibatch.core.buckets import ROW_BUCKETS
 from minibatch.core.requests import Request, SamplingParams
 from minibatch.core.scheduler import Scheduler
-from minibatch.model import fresh
+from minibatch.model import fresh, triton_decode
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -104,10 +104,13 @@ def _raw(rows, heads, kv_heads, dim, dtype, device, positions):
 @pytest.mark.parametrize("ctx_lens,window", [([5, 11, 3], None), ([150, 7, 260], None), ([150, 7, 260], 40)])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype):
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype, apart, monkeypatch):
     """The decode kernel with FRESH (norm and rotary embedding of q and the new k, the cache write, the new
     key and value taken from registers) against the operator's torch path: the attention and every cache
-    cell, with and without a split over the keys (the long rows), a window, q/k norms (Qwen3) or none."""
+    cell, with and without a split over the keys (the long rows), a window, q/k norms (Qwen3) or none;
+    the new key folded in by the first split's program or (NEW_KEY_APART, where there is a split) by one
+    of its own."""
     pytest.importorskip("triton")
     if not (INTERPRET or torch.cuda.is_available()):
         pytest.skip("the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
@@ -123,7 +126,14 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype)
     keys = (batch.cell_mapping, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, window or 0,
             dim ** -0.5)
     want = fresh.paged_decode_fresh(*args, cache.keys[0], cache.values[0], *keys, False)
+    monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
+    combined = []  # the partials each combine launch adds up
+    real_combine = triton_decode._combine_kernel
+    monkeypatch.setattr(triton_decode, "_combine_kernel", _Spy(real_combine, combined))
     got = fresh.paged_decode_fresh(*args, twin.keys[0], twin.values[0], *keys, True)
+    width = batch.kv_indices.shape[0] // rows
+    splits = triton_decode.split_keys(width, triton_decode.num_splits(rows, kv_heads, width, torch.device(device)))[1]
+    assert combined == ([splits + apart] if splits > 1 else [])
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     assert got.shape == want.shape == (1, rows, heads, dim)
     torch.testing.assert_close(got, want, **tol)
@@ -132,6 +142,19 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype)
     for a, b in ((twin.keys[0], cache.keys[0]), (twin.values[0], cache.values[0])):
         assert torch.equal(a[~written.to(a.device)], b[~written.to(a.device)])  # (nothing else touched)
         torch.testing.assert_close(a[written.to(a.device)], b[written.to(a.device)], **tol)
+
+
+class _Spy:
+    """A Triton kernel that notes the S (partials combined) of each launch, then launches."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.seen.append(kwargs["S"])
+            return self.kernel[grid](*args, **kwargs)
+        return run
 
 
 def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(monkeypatch):

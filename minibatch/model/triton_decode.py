@@ -122,7 +122,7 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
-                       kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps,
+                       kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                        LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
@@ -174,7 +174,7 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if FRESH:
-            if split == 0:  # one program per (row, head): the new key and value, into the cache and the sums
+            if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
                                          k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
                                          offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
@@ -223,6 +223,15 @@ if triton is not None:
 #: rows neither was best, and 128 rows at 2048 keys was not timed. (Compiled for sm_90, the smaller program
 #: fits 5 to an SM instead of 4: scripts/experiments/kernel_resources.py.) False: the defaults always.
 LEAN = True
+
+
+#: With fresh.py's path and a split over the keys, whether the new key and value get a program of their own
+#: (one more split, whose range of keys is empty) instead of the first split's program doing them after its
+#: loop. Why it might pay: that work (norm, rotary, cache write, fold) is a chain of dependent loads and
+#: reductions that, done by the first split, adds to the longest program's time; apart, it runs beside the
+#: loops and costs the combine one more partial. An experiment, off until timed in a step
+#: (floor_matrix.py --variants ...,apart=1).
+NEW_KEY_APART = False
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
@@ -296,7 +305,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         if q.stride(2) != 1:
             q = q.contiguous()
         q_strides, norm = (q.stride(0), q.stride(1)), False
-        extra = [q, q, 0, 0, q, q, q, q, 0, q, 0.0]  # (the FRESH arguments: unused)
+        extra = [q, q, 0, 0, q, q, q, q, 0, q, 0.0, 0]  # (the FRESH arguments: unused)
     else:
         q, heads = query, query.shape[1] // dim
         k_new, v_new, cos, sin = fresh["k"], fresh["v"], fresh["cos"], fresh["sin"]
@@ -304,7 +313,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         weights = [fresh["q_weight"], fresh["k_weight"]] if norm else [q, q]
         q_strides = (q.stride(0), dim)
         extra = [k_new, v_new, k_new.stride(0), v_new.stride(0), *weights, cos, sin, cos.stride(0),
-                 fresh["cell_mapping"], float(fresh["eps"])]
+                 fresh["cell_mapping"], float(fresh["eps"])]  # (and the new key's split: below)
     group = heads // kv_heads
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)
     o = out[0]
@@ -314,6 +323,10 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
     if splits == 0:
         splits = num_splits(rows, kv_heads, width, query.device)
     keys_per_split, splits = split_keys(width, splits, block_n)
+    if fresh is not None:  # which program folds in the new key: the first split's, or one more of its own
+        apart = NEW_KEY_APART and splits > 1
+        extra.append(splits if apart else 0)
+        splits += apart  # (its range of keys starts past the last key: its loop is empty)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](

@@ -83,7 +83,8 @@ def parse_setting(text: str) -> tuple:
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
-            "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED")}
+            "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
+            "apart": (triton_decode, "NEW_KEY_APART")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -93,7 +94,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     wide_argmax.ENABLED), lean=0/1 (the decode attention's 2 warps and 2 stages at 4-64 rows:
     triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
-    model/fresh.py's ENABLED), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
+    model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own:
+    triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
     prenorm.ENABLED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
@@ -206,7 +208,8 @@ def main() -> None:
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
                          "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
-                         "ENABLED; prenorm=1 sets speed/prenorm.py's ENABLED")
+                         "ENABLED; apart=1 sets triton_decode.NEW_KEY_APART; prenorm=1 sets speed/prenorm.py's "
+                         "ENABLED")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
