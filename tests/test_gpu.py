@@ -152,6 +152,7 @@ def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     monkeypatch.setattr(prenorm, "ENABLED", True)
     monkeypatch.setattr(skinny, "WIDEST", {8: 8192})
     model, work, kw, own = small_qwen3_run(12)
+    torch._dynamo.reset()  # (a step compiled by an earlier test would be reused, and the pass not run)
     compiled_runs_give(own, model, work, kw)
     assert fused and set(fused) == {2 * model.num_layers - 1}
     fresh.install(model.hf)
@@ -170,6 +171,7 @@ def test_the_gated_input_inside_the_skinny_kernel_gives_the_eager_tokens(monkeyp
     monkeypatch.setattr(glu, "fuse", lambda *a: fused.append(real_fuse(*a)) or fused[-1])
     monkeypatch.setattr(glu, "ENABLED", True)
     model, work, kw, own = small_qwen3_run(13)
+    torch._dynamo.reset()  # (a step compiled by an earlier test would be reused, and the pass not run)
     compiled_runs_give(own, model, work, kw)
     assert fused and set(fused) == {model.num_layers}
 
