@@ -139,6 +139,24 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     compiled_runs_give(own, model, work, kw)
 
 
+def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch):
+    """fresh.py's path with the new key on a program of its own (triton_decode.NEW_KEY_APART) and the
+    splits combined inside the decode kernel (COMBINE_IN_KERNEL): the eager tokens of the layers' own
+    forward, eager and compiled (CUDA graphs replaying the kernel and its counts), sync and async."""
+    from minibatch.model import fresh, triton_decode
+
+    model, work, kw, own = small_qwen3_run(14)
+    fresh.install(model.hf)
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    monkeypatch.setattr(triton_decode, "NEW_KEY_APART", True)
+    monkeypatch.setattr(triton_decode, "COMBINE_IN_KERNEL", True)
+    monkeypatch.setattr(triton_decode, "_combine_kernel", None)  # (launching it would fail)
+    assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
+    assert minibatch.generate(model, work, **kw) == own
+    torch._dynamo.reset()
+    compiled_runs_give(own, model, work, kw)
+
+
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
     kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the
