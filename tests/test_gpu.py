@@ -145,16 +145,25 @@ def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch
     forward, eager and compiled (CUDA graphs replaying the kernel and its counts), sync and async."""
     from minibatch.model import fresh, triton_decode
 
-    model, work, kw, own = small_qwen3_run(14)
+    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(14)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (150, 17, 90, 230)]
+    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)  # (rows long enough to split their keys)
+    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", True)
     monkeypatch.setattr(triton_decode, "COMBINE_IN_KERNEL", True)
     monkeypatch.setattr(triton_decode, "_combine_kernel", None)  # (launching it would fail)
+    splits = []
+    real_split_keys = triton_decode.split_keys
+    monkeypatch.setattr(triton_decode, "split_keys", lambda *a: splits.append(real_split_keys(*a)[1]) or
+                        real_split_keys(*a))
     assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
     assert minibatch.generate(model, work, **kw) == own
     torch._dynamo.reset()
     compiled_runs_give(own, model, work, kw)
+    assert max(splits) > 1
 
 
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
