@@ -301,6 +301,15 @@ def small_models_fresh() -> dict:
     return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number: 1 all paths, 3-4 repeats
 
 
+def small_models_apart() -> dict:
+    """The 0.6B shape's compiled decode step with fresh's new key on a program of its own (apart), then with
+    silu(gate) * up in the down product (glu), skinny.py's K in one piece (all), the splits combined inside
+    the decode kernel (one...), against the default compiled step and fresh as it was; one H200, one process
+    per command."""
+    run = DATA / "runs/gpu_small_models_apart_2026-12-05/"
+    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+
+
 def _floor_paths(run: Path, stage) -> dict:
     """Each compiled path of the 0.6B floor matrices in `run`, keyed q06_b{batch}_{stage(file)}_{path}: its ms,
     its multiple of the floor and, where the run listed kernels (--kernels), their count and the ms by kind."""
@@ -347,7 +356,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving_gc": serving_gc, "serving_startup_graphs": serving_startup_graphs,
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
-            "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh}
+            "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
+            "small_models_apart": small_models_apart}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -392,7 +402,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "4_decode_kernel_tune_llama3-8b-shape", "4_floor_matrix_qwen3-0.6b-shape_lean")],
            "small_models_fresh": [f"figures/data/runs/gpu_small_models_fresh_2026-12-05/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "3_floor_matrix_qwen3-0.6b-shape_b1",
-               "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
+               "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
+           "small_models_apart": [f"figures/data/runs/gpu_small_models_apart_2026-12-05/{f}.json" for f in (
+               "2_floor_matrix_qwen3-0.6b-shape_b1", "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
 
 
 def derive() -> dict:
