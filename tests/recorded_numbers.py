@@ -404,7 +404,8 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "3_floor_matrix_qwen3-0.6b-shape_b1",
                "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
            "small_models_apart": [f"figures/data/runs/gpu_small_models_apart_2026-12-05/{f}.json" for f in (
-               "2_floor_matrix_qwen3-0.6b-shape_b1", "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
+               "2_floor_matrix_qwen3-0.6b-shape_b1", "4_floor_matrix_qwen3-0.6b-shape_b4_8",
+               "6_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
