@@ -140,9 +140,8 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
 
 
 def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch):
-    """fresh.py's path with the new key on a program of its own (triton_decode.NEW_KEY_APART) and the
-    splits combined inside the decode kernel (COMBINE_IN_KERNEL): the eager tokens of the layers' own
-    forward, eager and compiled (CUDA graphs replaying the kernel and its counts), sync and async."""
+    """fresh.py's path with the new key on a program of its own (triton_decode.NEW_KEY_APART): the eager
+    tokens of the layers' own forward, eager and compiled, sync and async."""
     from minibatch.model import fresh, triton_decode
 
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
@@ -153,8 +152,6 @@ def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", True)
-    monkeypatch.setattr(triton_decode, "COMBINE_IN_KERNEL", True)
-    monkeypatch.setattr(triton_decode, "_combine_kernel", None)  # (launching it would fail)
     splits = []
     real_split_keys = triton_decode.split_keys
     monkeypatch.setattr(triton_decode, "split_keys", lambda *a: splits.append(real_split_keys(*a)[1]) or

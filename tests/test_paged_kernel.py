@@ -101,23 +101,3 @@ def test_the_kernel_compiles_as_one_opaque_operator():
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")  # a graph break would raise
     torch.testing.assert_close(compiled(query), attend(query), atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("ctx_lens,window,splits", [
-    ([150, 7, 260], None, 3), ([300], 40, 5), ([70, 200, 9, 31, 5], None, None)])
-def test_the_splits_combined_inside_the_kernel_give_the_combine_kernels_bits(ctx_lens, window, splits, monkeypatch):
-    """COMBINE_IN_KERNEL: the last program of each (row, head) combines the splits, in the combine kernel's
-    order: its output (up to float32 rounding: the two kernels may lay the sum out differently); the
-    combine kernel does not run; the counts are back to zero after each launch, so a second launch gives
-    the same bits again, whichever program finished last."""
-    cache, batch = _decode_batch(ctx_lens)
-    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
-    args = (query, cache.keys[0], cache.values[0], batch, window, None, splits)
-    want = triton_decode.decode_attention(*args)
-    monkeypatch.setattr(triton_decode, "COMBINE_IN_KERNEL", True)
-    monkeypatch.setattr(triton_decode, "_combine_kernel", None)  # (launching it would fail)
-    first = triton_decode.decode_attention(*args)
-    torch.testing.assert_close(first, want, atol=1e-6, rtol=1e-6)
-    assert not triton_decode._COUNTS[torch.device(DEVICE)].any()
-    assert torch.equal(triton_decode.decode_attention(*args), first)
-    assert not triton_decode._COUNTS[torch.device(DEVICE)].any()

@@ -123,10 +123,9 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
-                       count_ptr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, LAST: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -181,14 +180,6 @@ if triton is not None:
                                          offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
         _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, G, D,
                 SPLIT)
-        if LAST:  # the program that finishes last for (row, head) combines the splits (COMBINE_IN_KERNEL)
-            tl.debug_barrier()  # (every thread's partials stored before the count says so)
-            count = count_ptr + r * tl.num_programs(1) + h
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                tl.store(count, 0)  # (back to zero for the next launch)
-                for g in tl.static_range(G):
-                    _combine(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, r, h * G + g, G * tl.num_programs(1),
-                             tl.num_programs(2), BLOCK_S, D, ".cg")
 
     @triton.jit
     def _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h,
@@ -206,29 +197,24 @@ if triton is not None:
                      mask=gmask)
 
     @triton.jit
-    def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, r, h, H, S, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                 CACHE: tl.constexpr):
-        """Row r's query head h: rescale the splits' partials to a common max and add. (CACHE: the loads'
-        cache modifier; ".cg", past the SM's own L1, where other programs of the same launch wrote them.)"""
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, H, S: tl.constexpr, BLOCK_S: tl.constexpr,
+                        D: tl.constexpr, PDL: tl.constexpr):
+        """One program per (row, query head): rescale the splits' partials to a common max and add."""
+        if PDL:  # (launched early: everything it reads is the decode kernel's output)
+            tl.extra.cuda.gdc_wait()
+        r = tl.program_id(0)
+        h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, D)
         smask = offs_s < S
         at = (r * H + h) * S + offs_s
-        m = tl.load(m_ptr + at, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-        l = tl.load(l_ptr + at, mask=smask, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
+        m = tl.load(m_ptr + at, mask=smask, other=float("-inf"))
+        l = tl.load(l_ptr + at, mask=smask, other=0.0)
+        acc = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # a split that saw no visible key adds 0
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
         tl.store(o_ptr + r * so_r + h * so_h + offs_d, out.to(o_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, H, S: tl.constexpr, BLOCK_S: tl.constexpr,
-                        D: tl.constexpr, PDL: tl.constexpr):
-        """One program per (row, query head): `_combine`."""
-        if PDL:  # (launched early: everything it reads is the decode kernel's output)
-            tl.extra.cuda.gdc_wait()
-        _combine(m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, tl.program_id(0), tl.program_id(1), H, S, BLOCK_S, D, "")
 
 
 #: Whether the decode kernel runs with 2 warps and 2 pipeline stages at 4-64 rows (4 warps and 3 stages,
@@ -246,30 +232,6 @@ LEAN = True
 #: loops and costs the combine one more partial. An experiment, off until timed in a step
 #: (floor_matrix.py --variants ...,apart=1).
 NEW_KEY_APART = False
-
-
-#: Whether the splits are combined inside the decode kernel, by the last of a (row, head)'s programs to
-#: finish (an atomic count per (row, head) says which), instead of by a second kernel. Why it might pay: in
-#: a small model's step the combine kernel is one launch per layer (~1.8 us each at the 0.6B shape) for a
-#: few kilobytes of work. The combine adds up the splits in a fixed order, so the bits do not depend on
-#: which program came last. The counts live in one zeroed buffer per device
-#: (`_counts`), set back to zero by the program that combines: so decode kernels must not run at the
-#: same time on two streams (a step's kernels run on one). An experiment, off until timed in a step
-#: (floor_matrix.py --variants ...,onekernel=1).
-COMBINE_IN_KERNEL = False
-_COUNTS: dict = {}  # device -> the zeroed int32 counts of COMBINE_IN_KERNEL
-_MOST_COUNTS = 1 << 16  # (rows x key/value heads; beyond, the combine kernel)
-
-
-def _counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed counts (allocated at the first call outside a CUDA graph capture: a buffer made
-    during one would belong to that graph's memory), or None where there are none (then the combine
-    kernel runs)."""
-    counts = _COUNTS.get(device)
-    if counts is None and needed <= _MOST_COUNTS and not (device.type == "cuda"
-                                                           and torch.cuda.is_current_stream_capturing()):
-        counts = _COUNTS[device] = torch.zeros(_MOST_COUNTS, device=device, dtype=torch.int32)
-    return counts if counts is not None and needed <= counts.numel() else None
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
@@ -367,20 +329,18 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
-    counts = _counts(query.device, rows * kv_heads) if COMBINE_IN_KERNEL and splits > 1 else None
-    block_s = max(2, triton.next_power_of_2(splits))
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         *q_strides, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra, o if counts is None else counts,
+        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
-        LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm, LAST=counts is not None,
-        BLOCK_S=block_s, num_warps=warps, num_stages=stages, **early,
+        LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
+        num_warps=warps, num_stages=stages, **early,
     )
-    if splits > 1 and counts is None:
-        _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits, BLOCK_S=block_s, D=dim,
-                                       PDL=pdl, **early)
+    if splits > 1:
+        _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,
+                                       BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim, PDL=pdl, **early)
     return out
 
 
