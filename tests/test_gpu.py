@@ -185,21 +185,6 @@ def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     compiled_runs_give(own, model, work, kw, modes=("async",))
 
 
-def test_the_gated_input_inside_the_skinny_kernel_gives_the_eager_tokens(monkeypatch):
-    """speed/glu.py (ENABLED): the compiled step's silu(gate) * up runs inside the down product's kernel,
-    with the eager tokens (float32, sync and async); every layer's down product was fused."""
-    from minibatch.speed import glu
-
-    fused = []
-    real_fuse = glu.fuse
-    monkeypatch.setattr(glu, "fuse", lambda *a: fused.append(real_fuse(*a)) or fused[-1])
-    monkeypatch.setattr(glu, "ENABLED", True)
-    model, work, kw, own = small_qwen3_run(13)
-    torch._dynamo.reset()  # (a step compiled by an earlier test would be reused, and the pass not run)
-    compiled_runs_give(own, model, work, kw)
-    assert fused and set(fused) == {model.num_layers}
-
-
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
     model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens

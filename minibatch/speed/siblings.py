@@ -190,13 +190,11 @@ class _Backend:
         if self.merging:
             self.merged.append(merge(gm, example_inputs))
         if self.skinny:
-            from . import glu, prenorm, skinny
+            from . import prenorm, skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
             if prenorm.ENABLED:  # (an experiment, off: prenorm.py)
                 prenorm.fuse(gm, example_inputs)
-            if glu.ENABLED:  # (an experiment, off: glu.py)
-                glu.fuse(gm, example_inputs)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

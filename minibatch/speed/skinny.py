@@ -77,17 +77,10 @@ if triton is not None:
         return (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(x.dtype)
 
     @triton.jit
-    def _glu(gate, up):
-        """(glu.py) silu(gate) * up, each op rounded to the inputs' dtype as PyTorch's own ops round it."""
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr, GLU: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -115,9 +108,6 @@ if triton is not None:
             if PRE:
                 r = tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
                 x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
-            if GLU:  # x is the gate, r the up projection (glu.py)
-                x = _glu(x, tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside,
-                                    other=0.0))
             if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
             else:
@@ -140,11 +130,9 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None,
-           up: torch.Tensor | None = None) -> None:
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
     `pre` (prenorm.py): (r, norm_weight, h, eps): y = RMSNorm(x + r) @ w.T, and h = x + r stored.
-    `up` (glu.py), [M, K]: y = (silu(x) * up) @ w.T.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
@@ -158,13 +146,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    r, norm_weight, h, eps = pre or (x if up is None else up, x, x, 0.0)
+    r, norm_weight, h, eps = pre or (x, x, x, 0.0)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
         h.stride(0), float(eps),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        PRE=pre is not None, GLU=up is not None, num_warps=setting["warps"],
+        PRE=pre is not None, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024

@@ -32,10 +32,8 @@ the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by def
 decode attention with Triton's default warps and stages at every batch (triton_decode.LEAN), with
 one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
-as their projections left them (model/fresh.py: fresh.ENABLED; with apart=1 too, the new key folded in
-by a program of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and RMSNorm inside
-skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in), with glu=1
-silu(gate) * up inside skinny.py's down product (speed/glu.py).
+as their projections left them (model/fresh.py: fresh.ENABLED), with prenorm=1 the residual add and
+RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -65,7 +63,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, glu, prenorm, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, prenorm, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -86,7 +84,7 @@ def parse_setting(text: str) -> tuple:
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
-            "apart": (triton_decode, "NEW_KEY_APART"), "glu": (glu, "ENABLED")}
+            "apart": (triton_decode, "NEW_KEY_APART")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -98,8 +96,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own:
     triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
-    prenorm.ENABLED), glu=0/1 (silu(gate) * up inside skinny.py's down product: glu.ENABLED); every other
-    name is Inductor config."""
+    prenorm.ENABLED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
@@ -212,7 +209,7 @@ def main() -> None:
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
                          "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=1 sets triton_decode.NEW_KEY_APART; prenorm=1 sets speed/prenorm.py's "
-                         "ENABLED; glu=1 sets speed/glu.py's ENABLED")
+                         "ENABLED")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
