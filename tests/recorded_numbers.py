@@ -303,9 +303,9 @@ def small_models_fresh() -> dict:
 
 def small_models_apart() -> dict:
     """The 0.6B shape's compiled decode step with fresh's new key on a program of its own (apart), then with
-    silu(gate) * up in the down product (glu), skinny.py's K in one piece (all), the splits combined inside
-    the decode kernel (one...), against the default compiled step and fresh as it was; one H200, one process
-    per command."""
+    silu(gate) * up in the down product (glu, since removed), skinny.py's K in one piece (all), the splits
+    combined inside the decode kernel (one..., since removed), against the default compiled step and fresh
+    with the first split folding in the new key; one H200, one process per command."""
     run = DATA / "runs/gpu_small_models_apart_2026-12-05/"
     return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
 

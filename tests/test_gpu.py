@@ -139,9 +139,11 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     compiled_runs_give(own, model, work, kw)
 
 
-def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch):
-    """fresh.py's path with the new key on a program of its own (triton_decode.NEW_KEY_APART): the eager
-    tokens of the layers' own forward, eager and compiled, sync and async."""
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatch):
+    """fresh.py's path on rows whose keys are split, the new key on a program of its own
+    (triton_decode.NEW_KEY_APART) or the first split's: the eager tokens of the layers' own forward, eager
+    and compiled, sync and async."""
     from minibatch.model import fresh, triton_decode
 
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
@@ -151,7 +153,7 @@ def test_the_fresh_path_with_its_own_programs_gives_the_eager_tokens(monkeypatch
     own = minibatch.generate(model, work, cuda_graphs=False, **kw)
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
-    monkeypatch.setattr(triton_decode, "NEW_KEY_APART", True)
+    monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
     splits = []
     real_split_keys = triton_decode.split_keys
     monkeypatch.setattr(triton_decode, "split_keys", lambda *a: splits.append(real_split_keys(*a)[1]) or

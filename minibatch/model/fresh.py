@@ -37,10 +37,13 @@ bit.
 
 Status: an experiment, timed and left off. A model gets the forward only where `install` is called
 (scripts/gpu/floor_matrix.py --variants fresh:fresh=1 does), and takes the path only while `ENABLED`.
-In the 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models") it saves 5% at 4 and 8 rows and
-costs 3% at one: the kernels it removes took less than what it adds to the attention kernel, whose
-every program now norms and rotates its query heads before its loop and whose first split does the
-new key after it. A rule that turns it on by row count is the next step, once timed as shipped.
+In the 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models"), with the first split's program
+folding in the new key, it was 3% slower than the default compiled step at 1, 4 and 8 rows in one
+process (5% faster at 4 and 8 rows in another, whose default step was slower): its every program norms
+and rotates its query heads before its loop, and the new key's work after the loop lengthened the
+longest program. With that work on a program of its own (triton_decode.NEW_KEY_APART, now on) the step
+is 1-2% faster than the default compiled step at 1, 4 and 8 rows, in each of two processes. Turning it on is
+the next step, once timed at the 8B shape and in serving.
 """
 
 from __future__ import annotations

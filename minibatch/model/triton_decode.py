@@ -227,11 +227,12 @@ LEAN = True
 
 #: With fresh.py's path and a split over the keys, whether the new key and value get a program of their own
 #: (one more split, whose range of keys is empty) instead of the first split's program doing them after its
-#: loop. Why it might pay: that work (norm, rotary, cache write, fold) is a chain of dependent loads and
-#: reductions that, done by the first split, adds to the longest program's time; apart, it runs beside the
-#: loops and costs the combine one more partial. An experiment, off until timed in a step
-#: (floor_matrix.py --variants ...,apart=1).
-NEW_KEY_APART = False
+#: loop. Why: that work (norm, rotary, cache write, fold) is a chain of dependent loads and reductions that,
+#: done by the first split, adds to the longest program's time; apart, it runs beside the loops and costs
+#: the combine one more partial. Timed in the 0.6B compiled step on an H200 (floor_matrix.py --variants
+#: fresh:fresh=1 apart:fresh=1,apart=1): 4-5% faster than the first split doing it at 1, 4 and 8 rows, so on
+#: wherever fresh.py's path runs. False: the first split's program folds it in.
+NEW_KEY_APART = True
 
 
 def warps_stages(rows: int) -> tuple[int, int]:

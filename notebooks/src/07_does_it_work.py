@@ -692,7 +692,16 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # the new key after. At 4 and 8 rows the step got 5% faster (1.19 to 1.13 ms, 1.32 to 1.26 <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_compile_ms, small_models_fresh.q06_b4_run1_fresh_ms, small_models_fresh.q06_b8_run1_compile_ms, small_models_fresh.q06_b8_run1_fresh_ms -->), at one
 # row 3% slower (0.95 to 0.98 <!-- from figures/data/headline.json: small_models_fresh.q06_b1_run1_compile_ms, small_models_fresh.q06_b1_run1_fresh_ms -->), in two runs each. A faster path at some batch sizes and a slower one
 # at others is a common outcome of fusing: the work moved into one kernel now sits on its critical
-# path. So it stays off by default (`fresh.ENABLED`) until a rule that picks it by row count is timed.
+# path. The way out is to take it off that path: when the keys are split over several programs, give
+# the new key and value a program of their own, one more split with no cached keys to walk, so their
+# chain of loads runs beside the loops instead of after the first one (`triton_decode.NEW_KEY_APART`).
+# Timed the same way on a later day, that took the fresh step from 0.97 to 0.93 ms at one row and from
+# 1.13 to 1.09 and 1.27 to 1.21 ms <!-- from figures/data/headline.json: small_models_apart.q06_b1_run2_fresh_ms, small_models_apart.q06_b1_run2_apart_ms, small_models_apart.q06_b4_run4_fresh_ms, small_models_apart.q06_b4_run4_apart_ms, small_models_apart.q06_b8_run4_fresh_ms, small_models_apart.q06_b8_run4_apart_ms --> at 4 and 8 rows, now a little faster than the default
+# compiled step at every batch (0.94, 1.11 and 1.24 ms <!-- from figures/data/headline.json: small_models_apart.q06_b1_run2_compile_ms, small_models_apart.q06_b4_run4_compile_ms, small_models_apart.q06_b8_run4_compile_ms --> in the same runs). The same idea pushed further
+# failed: letting the last program of each row and head combine the splits, instead of a second small
+# kernel, made the step slower (0.93 to 0.97 ms <!-- from figures/data/headline.json: small_models_apart.q06_b1_run6_apart_ms, small_models_apart.q06_b1_run6_one_ms --> at one row), because that combine now waits for the
+# slowest split and runs after it on one program. The fresh path stays off by default (`fresh.ENABLED`)
+# until it is timed on the 8B model and in the server.
 #
 # A second experiment goes after the other small kernel of every half-layer: the residual add and
 # RMSNorm before the q/k/v and gate/up products (`minibatch/speed/prenorm.py`). Every program of our
