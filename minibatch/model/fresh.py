@@ -41,9 +41,9 @@ In the 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models"), with the f
 folding in the new key, it was 3% slower than the default compiled step at 1, 4 and 8 rows in one
 process (5% faster at 4 and 8 rows in another, whose default step was slower): its every program norms
 and rotates its query heads before its loop, and the new key's work after the loop lengthened the
-longest program. With that work on a program of its own (triton_decode.NEW_KEY_APART, now on) the step
-is 1-2% faster than the default compiled step at 1, 4 and 8 rows, in each of two processes. Turning it on is
-the next step, once timed at the 8B shape and in serving.
+longest program. With that work on a program of its own (triton_decode.NEW_KEY_APART, now on) the
+step is 1-2% faster than the default compiled step at 1, 4 and 8 rows, in each of two processes.
+Turning it on is the next step, once timed at the 8B shape and in serving.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by def
 decode attention with Triton's default warps and stages at every batch (triton_decode.LEAN), with
 one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
-as their projections left them (model/fresh.py: fresh.ENABLED), with prenorm=1 the residual add and
+as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
+the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
 RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
@@ -94,8 +95,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     wide_argmax.ENABLED), lean=0/1 (the decode attention's 2 warps and 2 stages at 4-64 rows:
     triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
-    model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own:
-    triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
+    model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
+    default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
     prenorm.ENABLED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
@@ -208,7 +209,7 @@ def main() -> None:
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
                          "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
-                         "ENABLED; apart=1 sets triton_decode.NEW_KEY_APART; prenorm=1 sets speed/prenorm.py's "
+                         "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); prenorm=1 sets speed/prenorm.py's "
                          "ENABLED")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
