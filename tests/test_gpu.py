@@ -91,12 +91,12 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
-def small_qwen3_run(seed):
-    """A random Qwen3 on the GPU (float32), four prompts of 5-30 tokens, the run's options, and its eager
-    tokens: what the tests of a compiled step's switches below compare against."""
+def small_qwen3_run(seed, lengths=(5, 17, 9, 30)):
+    """A random Qwen3 on the GPU (float32), four prompts (of 5-30 tokens unless `lengths` says), the run's
+    options, and its eager tokens: what the tests of a compiled step's switches below compare against."""
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in lengths]
     kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
     return model, work, kw, minibatch.generate(model, work, cuda_graphs=False, **kw)
 
@@ -146,18 +146,21 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatc
     and compiled, sync and async."""
     from minibatch.model import fresh, triton_decode
 
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(14)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (150, 17, 90, 230)]
-    kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)  # (rows long enough to split their keys)
-    own = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    if not triton_decode.available():
+        pytest.skip("needs triton")
+    model, work, kw, own = small_qwen3_run(14, lengths=(150, 17, 90, 230))  # (long enough to split their keys)
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
     splits = []
     real_split_keys = triton_decode.split_keys
-    monkeypatch.setattr(triton_decode, "split_keys", lambda *a: splits.append(real_split_keys(*a)[1]) or
-                        real_split_keys(*a))
+
+    def counted_split_keys(*args):
+        out = real_split_keys(*args)
+        splits.append(out[1])
+        return out
+
+    monkeypatch.setattr(triton_decode, "split_keys", counted_split_keys)
     assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
     assert minibatch.generate(model, work, **kw) == own
     torch._dynamo.reset()

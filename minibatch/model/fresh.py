@@ -20,10 +20,9 @@ So no program reads a cell that another program of the same launch writes, and t
 than before (one comparison per key): the new key and value are computed after it, by one program.
 (With a split and triton_decode.NEW_KEY_APART, that program is one of its own: one more split, whose
 range of keys is empty, so that the new key's chain of loads and reductions runs beside the loops
-instead of after the first one.) (Held
-in registers through the loop, to stand in for the cache's copy wherever a chunk reached this step's
-cell, they took the 0.6B program to 255 registers and spills, compiled for sm_90 by
-scripts/experiments/kernel_resources.py; this way it has none.) Each product is rounded to the model's
+instead of after the first one.) (Held in registers through the loop, to stand in for the cache's
+copy wherever a chunk reached this step's cell, they took the 0.6B program to 255 registers and
+spills, compiled for sm_90 by scripts/experiments/kernel_resources.py; this way it has none.) Each product is rounded to the model's
 dtype where the model's own ops round it (PyTorch's eager rules), so the cache holds what the layer's
 own forward would write, up to the last bit of the norm's sum (its order differs).
 
