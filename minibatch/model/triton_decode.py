@@ -44,6 +44,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
+from ..speed import ahead
+from ..speed.ahead import prefetch
 from ..speed.early import has_pdl, prefetch_l2, wanted
 
 BLOCK_N = 64  # keys per loop iteration
@@ -123,9 +125,11 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
+                       a0, a1, a2, a3, n0, n1, n2, n3,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, AHEAD_START: tl.constexpr,
+                       AHEAD_END: tl.constexpr, AHEAD_STEP: tl.constexpr, AHEAD_BLOCK: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -133,6 +137,10 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         if PDL:  # launched early (programmatic dependent launch)
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        pid = (r * tl.num_programs(1) + h) * tl.num_programs(2) + split
+        if AHEAD_START > 0:  # (speed/ahead.py) the weights of the cuBLAS products after the attention, into L2
+            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
@@ -173,6 +181,8 @@ if triton is not None:
             m_i = m_new
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
+        if AHEAD_END > 0:
+            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)
         if FRESH:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
@@ -328,16 +338,17 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         apart = NEW_KEY_APART and splits > 1
         extra.append(splits if apart else 0)
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
+    after, constants = ahead.launch_args(ahead.targets(k_cache, rows) if wanted() else [], k_cache)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         *q_strides, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra,
+        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra, *after,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
         LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
-        num_warps=warps, num_stages=stages, **early,
+        num_warps=warps, num_stages=stages, **early, **constants, AHEAD_BLOCK=ahead.BLOCK,
     )
     if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,

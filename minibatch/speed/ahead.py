@@ -1,0 +1,161 @@
+"""Weights asked into L2 ahead of the cuBLAS products that read them (an experiment, off: `ENABLED`).
+
+Why: in a small model's decode step the products that stay on cuBLAS (the merged q/k/v and gate/up with
+1-4 rows, every product with 8) read 8-12 MB of weights each, and take about twice the time those bytes
+need at the copy bandwidth: too few of cuBLAS's tiles to keep enough loads in flight, so each one waits
+out a trip to memory. Our own kernels before them (skinny.py's product, the decode attention) leave the
+memory mostly idle: they wait on chains of loads too. So each of our kernels, once its own loads are
+done, asks for the weights of the cuBLAS products that follow it to be brought into L2 (50 MB on an
+H100 or H200), and those products then read them from there:
+
+    plan(gm, example_inputs)   a pass over a compiled decode step's graph (siblings.py's backend, after
+                               skinny.route): for each of our kernels' calls, the weights of the products
+                               after it, up to the next decode attention, in graph order
+    targets(anchor, rows)      at launch (`choose`): those of them that run on cuBLAS at `rows`, up to the
+                               first one skinny.py's kernel takes (it asks for its own weights), `BYTES`
+                               at most
+    launch_args(...)           the pointers and line counts a kernel takes for them (`MAX` at most)
+    prefetch(...)              (Triton) a program's share of those lines
+
+The plan is keyed by the address of the call's own weight (skinny) or key cache (attention): the kernel
+is called by Inductor as it is, and looks its plan up when launched (once per CUDA graph capture). A
+prefetch is only a hint: it changes no result.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheels of PyTorch come without Triton
+    triton = None
+
+from .early import prefetch_l2
+
+#: Whether compiled steps plan prefetches (read when a step is compiled) and our kernels issue them.
+ENABLED = False
+#: Issue them before the kernel's own wait and main loop (True) or after its main loop (False).
+EARLY = False
+#: The most bytes one kernel asks for: the products it covers must fit in L2 beside the step's other traffic.
+BYTES = 32 << 20
+#: The most tensors one kernel covers (each is one pointer argument of the kernel).
+MAX = 4
+#: Lines per program per loop step of `prefetch` (its BLOCK argument).
+BLOCK = 256
+
+_PLAN: dict[int, list[torch.Tensor]] = {}
+
+
+def plan(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """Record, for each call of skinny.py's operator or the decode attention in `gm`, the weights of the
+    products after it up to the next decode attention. Returns how many calls got a plan."""
+    from .compat import LINEAR_TARGETS
+    from .skinny import _placeholders, _weight
+
+    ops = torch.ops.minibatch
+    attention = {getattr(ops, name): place  # (which argument is its key cache; registered where imported)
+                 for name, place in (("paged_decode", 1), ("paged_decode_fresh", 8)) if hasattr(ops, name)}
+    real = _placeholders(gm, example_inputs)
+    calls = []  # (kind, the tensor that keys it or None, its weight or None), in graph order
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        packet = getattr(node.target, "overloadpacket", node.target)  # (an operator's overload, or the operator)
+        if packet in attention:
+            place = attention[packet]
+            calls.append(("attention", real.get(node.args[place]) if len(node.args) > place else None, None))
+        elif node.target in LINEAR_TARGETS or packet is ops.skinny_linear:
+            weight = _weight(node.args[1], real) if len(node.args) > 1 else None
+            ours = packet is ops.skinny_linear
+            calls.append(("skinny" if ours else "linear", weight if ours else None, weight))
+    planned = 0
+    for i, (kind, key, _) in enumerate(calls):
+        if kind == "linear" or not isinstance(key, torch.Tensor):
+            continue
+        after = []
+        for other_kind, _, weight in calls[i + 1:]:
+            if other_kind == "attention":
+                break
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                after.append(weight)
+        if after:
+            _PLAN[key.data_ptr()] = after
+            planned += 1
+    return planned
+
+
+def targets(anchor: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """The weights the kernel keyed by `anchor` asks into L2 at `rows` rows (`choose` of its plan)."""
+    if not (ENABLED and usable(anchor)):
+        return []
+    return choose(_PLAN.get(anchor.data_ptr(), []), rows)
+
+
+def choose(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """The first of `weights` that run on cuBLAS at `rows` rows (skinny.settings says None), in order,
+    up to the first that skinny.py's kernel takes, `BYTES` and `MAX` at most."""
+    from .skinny import settings
+
+    out, total = [], 0
+    for weight in weights:
+        size = weight.numel() * weight.element_size()
+        if settings(rows, *weight.shape) is not None or total + size > BYTES or len(out) == MAX:
+            break
+        out.append(weight)
+        total += size
+    return out
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Prefetches run on CUDA only, and not under Triton's CPU interpreter (which has no inline assembly)."""
+    return (t.is_cuda and triton is not None
+            and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"))
+
+
+def launch_args(weights: list[torch.Tensor], fallback: torch.Tensor) -> tuple[list, dict]:
+    """A kernel's prefetch arguments for `weights` (one element size): `MAX` pointers (`fallback` where
+    unused) and each one's count of 128-byte lines (0 where unused), and its constexprs: AHEAD_START or
+    AHEAD_END (how many, where the kernel issues them: `EARLY`) and AHEAD_STEP (elements per line)."""
+    weights = [w for w in weights if w.element_size() == weights[0].element_size()]
+    ptrs = list(weights) + [fallback] * (MAX - len(weights))
+    lines = [-(-w.numel() * w.element_size() // 128) for w in weights] + [0] * (MAX - len(weights))
+    step = 128 // (weights[0] if weights else fallback).element_size()
+    count = len(weights)
+    return ptrs + lines, dict(AHEAD_START=count if EARLY else 0, AHEAD_END=0 if EARLY else count, AHEAD_STEP=step)
+
+
+def clear() -> None:
+    """Forget every plan (tests; a new model's weights may reuse the addresses)."""
+    _PLAN.clear()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _span(ptr, lines, pid, programs, STEP: tl.constexpr, BLOCK: tl.constexpr):
+        """Program `pid` of `programs` asks for its share of `lines` lines from ptr (STEP elements a line)."""
+        per = tl.cdiv(lines, programs)
+        lo = pid * per
+        hi = tl.minimum(lo + per, lines)
+        for start in range(lo, hi, BLOCK):
+            idx = tl.minimum(start + tl.arange(0, BLOCK), hi - 1)
+            prefetch_l2(ptr + idx.to(tl.int64) * STEP)
+
+    @triton.jit
+    def prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, COUNT: tl.constexpr, STEP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+        """The weights `launch_args` gave (COUNT of them, STEP elements per 128-byte line): this program's share."""
+        if COUNT > 0:
+            _span(a0, n0, pid, programs, STEP, BLOCK)
+        if COUNT > 1:
+            _span(a1, n1, pid, programs, STEP, BLOCK)
+        if COUNT > 2:
+            _span(a2, n2, pid, programs, STEP, BLOCK)
+        if COUNT > 3:
+            _span(a3, n3, pid, programs, STEP, BLOCK)
+else:
+    prefetch = None
