@@ -36,7 +36,7 @@ def test_plan_covers_the_products_up_to_the_next_attention():
     ahead.clear()
     gm = torch.fx.symbolic_trace(_layer_pair)
     x, w_o, w_gu, w_d, w_qkv, kc = (inputs := _inputs())[:6]
-    assert ahead.plan(gm, inputs) == 4  # two attentions (keyed by their key cache, the same here) and two products
+    assert ahead.plan(gm, skinny._placeholders(gm, inputs), skinny._weight) == 4  # two attentions (keyed by their key cache, the same here) and two products
     plans = ahead._PLAN
     assert [w.data_ptr() for w in plans[w_o.data_ptr()]] == [w.data_ptr() for w in (w_gu, w_d, w_qkv)]
     assert [w.data_ptr() for w in plans[w_d.data_ptr()]] == [w_qkv.data_ptr()]
@@ -52,11 +52,11 @@ def test_choose_stops_at_the_first_product_the_skinny_kernel_takes():
     o, gate_up, down, qkv = (torch.empty(n, k, **bf16) for n, k in ((1024, 2048), (6144, 1024), (1024, 3072),
                                                                       (4096, 1024)))
     assert skinny.settings(1, 1024, 2048) is not None and skinny.settings(8, 1024, 2048) is None
-    assert ahead.choose([o, gate_up, down, qkv], 1) == []
-    assert ahead.choose([gate_up, down, qkv], 1) == [gate_up]  # (the output product's plan at 1 row)
-    assert ahead.choose([o, gate_up, down, qkv], 8) == [o, gate_up, down, qkv]  # 4 + 12 + 6 + 8 MB
-    assert ahead.choose([gate_up] * 3, 8) == [gate_up] * 2  # (a third would pass 32 MB)
-    assert ahead.choose([o] * 6, 8) == [o] * ahead.MAX
+    assert ahead.choose([o, gate_up, down, qkv], 1, skinny.settings) == []
+    assert ahead.choose([gate_up, down, qkv], 1, skinny.settings) == [gate_up]  # (the output product's plan at 1 row)
+    assert ahead.choose([o, gate_up, down, qkv], 8, skinny.settings) == [o, gate_up, down, qkv]  # 4 + 12 + 6 + 8 MB
+    assert ahead.choose([gate_up] * 3, 8, skinny.settings) == [gate_up] * 2  # (a third would pass 32 MB)
+    assert ahead.choose([o] * 6, 8, skinny.settings) == [o] * ahead.MAX
 
 
 def test_launch_args_fill_the_unused_places():
@@ -71,5 +71,5 @@ def test_nothing_is_asked_for_off_cuda_or_when_off(monkeypatch):
     x = torch.randn(4, 4)
     ahead._PLAN[x.data_ptr()] = [torch.randn(4, 4)]
     monkeypatch.setattr(ahead, "ENABLED", True)
-    assert ahead.targets(x, 1) == []  # (a CPU tensor)
+    assert ahead.targets(x, 1, skinny.settings) == []  # (a CPU tensor)
     ahead.clear()

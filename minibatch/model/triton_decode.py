@@ -46,6 +46,7 @@ except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
 from ..speed import ahead
 from ..speed.ahead import prefetch
+from ..speed.skinny import settings as skinny_settings
 from ..speed.early import has_pdl, prefetch_l2, wanted
 
 BLOCK_N = 64  # keys per loop iteration
@@ -122,6 +123,15 @@ if triton is not None:
         return m_new, l_i * alpha + p, acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b in float32: exact products (IEEE, for float32 inputs) or the tensor cores' default."""
+        if IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
@@ -137,10 +147,7 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         if PDL:  # launched early (programmatic dependent launch)
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        pid = (r * tl.num_programs(1) + h) * tl.num_programs(2) + split
-        if AHEAD_START > 0:  # (speed/ahead.py) the weights of the cuBLAS products after the attention, into L2
-            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)
+        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)  # (speed/ahead.py)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
@@ -162,10 +169,7 @@ if triton is not None:
             if WINDOW > 0:
                 valid = valid & (q_pos - k_pos < WINDOW)
             k = tl.load(k_ptr + slot[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _dot(q, tl.trans(k), IEEE)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no visible key
@@ -173,16 +177,11 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + slot[:, None] * sv_s + h * sv_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
-        if AHEAD_END > 0:
-            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)
+        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)
         if FRESH:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
@@ -338,7 +337,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         apart = NEW_KEY_APART and splits > 1
         extra.append(splits if apart else 0)
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
-    after, constants = ahead.launch_args(ahead.targets(k_cache, rows) if wanted() else [], k_cache)
+    after, constants = ahead.launch_args(ahead.targets(k_cache, rows, skinny_settings) if wanted() else [], k_cache)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](

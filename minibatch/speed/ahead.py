@@ -8,10 +8,10 @@ memory mostly idle: they wait on chains of loads too. So each of our kernels, on
 done, asks for the weights of the cuBLAS products that follow it to be brought into L2 (50 MB on an
 H100 or H200), and those products then read them from there:
 
-    plan(gm, example_inputs)   a pass over a compiled decode step's graph (siblings.py's backend, after
+    plan(gm, real, weight_of)  a pass over a compiled decode step's graph (siblings.py's backend, after
                                skinny.route): for each of our kernels' calls, the weights of the products
                                after it, up to the next decode attention, in graph order
-    targets(anchor, rows)      at launch (`choose`): those of them that run on cuBLAS at `rows`, up to the
+    targets(anchor, rows, ..)  at launch (`choose`): those of them that run on cuBLAS at `rows`, up to the
                                first one skinny.py's kernel takes (it asks for its own weights), `BYTES`
                                at most
     launch_args(...)           the pointers and line counts a kernel takes for them (`MAX` at most)
@@ -50,16 +50,16 @@ BLOCK = 256
 _PLAN: dict[int, list[torch.Tensor]] = {}
 
 
-def plan(gm: torch.fx.GraphModule, example_inputs) -> int:
+def plan(gm: torch.fx.GraphModule, real: dict, weight_of) -> int:
     """Record, for each call of skinny.py's operator or the decode attention in `gm`, the weights of the
-    products after it up to the next decode attention. Returns how many calls got a plan."""
+    products after it up to the next decode attention. `real`: the graph's inputs (placeholder node ->
+    tensor); `weight_of(arg, real)`: the tensor a product's weight argument stands for, or None
+    (skinny._weight). Returns how many calls got a plan."""
     from .compat import LINEAR_TARGETS
-    from .skinny import _placeholders, _weight
 
     ops = torch.ops.minibatch
     attention = {getattr(ops, name): place  # (which argument is its key cache; registered where imported)
                  for name, place in (("paged_decode", 1), ("paged_decode_fresh", 8)) if hasattr(ops, name)}
-    real = _placeholders(gm, example_inputs)
     calls = []  # (kind, the tensor that keys it or None, its weight or None), in graph order
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -69,7 +69,7 @@ def plan(gm: torch.fx.GraphModule, example_inputs) -> int:
             place = attention[packet]
             calls.append(("attention", real.get(node.args[place]) if len(node.args) > place else None, None))
         elif node.target in LINEAR_TARGETS or packet is ops.skinny_linear:
-            weight = _weight(node.args[1], real) if len(node.args) > 1 else None
+            weight = weight_of(node.args[1], real) if len(node.args) > 1 else None
             ours = packet is ops.skinny_linear
             calls.append(("skinny" if ours else "linear", weight if ours else None, weight))
     planned = 0
@@ -88,22 +88,20 @@ def plan(gm: torch.fx.GraphModule, example_inputs) -> int:
     return planned
 
 
-def targets(anchor: torch.Tensor, rows: int) -> list[torch.Tensor]:
+def targets(anchor: torch.Tensor, rows: int, taken) -> list[torch.Tensor]:
     """The weights the kernel keyed by `anchor` asks into L2 at `rows` rows (`choose` of its plan)."""
     if not (ENABLED and usable(anchor)):
         return []
-    return choose(_PLAN.get(anchor.data_ptr(), []), rows)
+    return choose(_PLAN.get(anchor.data_ptr(), []), rows, taken)
 
 
-def choose(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
-    """The first of `weights` that run on cuBLAS at `rows` rows (skinny.settings says None), in order,
-    up to the first that skinny.py's kernel takes, `BYTES` and `MAX` at most."""
-    from .skinny import settings
-
+def choose(weights: list[torch.Tensor], rows: int, taken) -> list[torch.Tensor]:
+    """The first of `weights` that run on cuBLAS at `rows` rows, in order, up to the first that
+    skinny.py's kernel takes (`taken(rows, n, k)` not None: skinny.settings), `BYTES` and `MAX` at most."""
     out, total = [], 0
     for weight in weights:
         size = weight.numel() * weight.element_size()
-        if settings(rows, *weight.shape) is not None or total + size > BYTES or len(out) == MAX:
+        if taken(rows, *weight.shape) is not None or total + size > BYTES or len(out) == MAX:
             break
         out.append(weight)
         total += size
@@ -146,9 +144,11 @@ if triton is not None:
             prefetch_l2(ptr + idx.to(tl.int64) * STEP)
 
     @triton.jit
-    def prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid, programs, COUNT: tl.constexpr, STEP: tl.constexpr,
-                 BLOCK: tl.constexpr):
-        """The weights `launch_args` gave (COUNT of them, STEP elements per 128-byte line): this program's share."""
+    def prefetch(a0, a1, a2, a3, n0, n1, n2, n3, COUNT: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr):
+        """The weights `launch_args` gave (COUNT of them, none where 0; STEP elements per 128-byte line):
+        this program's share, the programs of a grid of up to three axes taken in order."""
+        pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         if COUNT > 0:
             _span(a0, n0, pid, programs, STEP, BLOCK)
         if COUNT > 1:

@@ -196,7 +196,9 @@ class _Backend:
             if prenorm.ENABLED:  # (an experiment, off: prenorm.py)
                 prenorm.fuse(gm, example_inputs)
         if ahead.ENABLED:  # (an experiment, off: ahead.py)
-            self.planned.append(ahead.plan(gm, example_inputs))
+            from . import skinny
+
+            self.planned.append(ahead.plan(gm, skinny._placeholders(gm, example_inputs), skinny._weight))
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

@@ -100,9 +100,7 @@ if triton is not None:
             w_lines = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * swn
             for i in range(0, pieces):
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
-        if AHEAD_START > 0:  # (ahead.py) the weights of the cuBLAS products after this one, into L2
-            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid_n + pid_k * tl.num_programs(0),
-                     tl.num_programs(0) * tl.num_programs(1), AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)
+        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)  # (ahead.py: at the start)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if PRE:  # x is RMSNorm(x + r) (prenorm.py): the rows' 1 / rms first, from all of K
@@ -122,9 +120,7 @@ if triton is not None:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
             tl.extra.cuda.gdc_launch_dependents()  # they would take the places this kernel's last programs need
-        if AHEAD_END > 0:
-            prefetch(a0, a1, a2, a3, n0, n1, n2, n3, pid_n + pid_k * tl.num_programs(0),
-                     tl.num_programs(0) * tl.num_programs(1), AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)
+        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)  # (or at the end)
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
@@ -158,7 +154,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     r, norm_weight, h, eps = pre or (x, x, x, 0.0)
-    after, constants = ahead.launch_args(ahead.targets(w, M) if wanted() else [], w)
+    after, constants = ahead.launch_args(ahead.targets(w, M, settings) if wanted() else [], w)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
         h.stride(0), float(eps), *after, **constants, AHEAD_BLOCK=ahead.BLOCK,
