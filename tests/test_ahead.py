@@ -72,4 +72,9 @@ def test_nothing_is_asked_for_off_cuda_or_when_off(monkeypatch):
     ahead._PLAN[x.data_ptr()] = [torch.randn(4, 4)]
     monkeypatch.setattr(ahead, "ENABLED", True)
     assert ahead.targets(x, 1, skinny.settings) == []  # (a CPU tensor)
+    monkeypatch.setattr(ahead, "usable", lambda t: True)
+    assert len(ahead.targets(x, 1, lambda *shape: None)) == 1
+    monkeypatch.setattr(ahead, "FROM_ATTENTION", True)  # only the attention asks, and for everything
+    assert ahead.targets(x, 1, lambda *shape: None) == []
+    assert len(ahead.targets(x, 1, lambda *shape: {}, attention=True)) == 1
     ahead.clear()

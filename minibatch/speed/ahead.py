@@ -40,6 +40,10 @@ from .early import prefetch_l2
 ENABLED = False
 #: Issue them before the kernel's own wait and main loop (True) or after its main loop (False).
 EARLY = False
+#: Only the decode attention asks, for every product up to the next attention (skinny.py's too, whose
+#: kernel reads slowly where it streams a larger weight than its own): the attention waits on chains of
+#: loads and leaves the memory idle, where skinny.py's kernel streams weights itself.
+FROM_ATTENTION = False
 #: The most bytes one kernel asks for: the products it covers must fit in L2 beside the step's other traffic.
 BYTES = 32 << 20
 #: The most tensors one kernel covers (each is one pointer argument of the kernel).
@@ -88,11 +92,13 @@ def plan(gm: torch.fx.GraphModule, real: dict, weight_of) -> int:
     return planned
 
 
-def targets(anchor: torch.Tensor, rows: int, taken) -> list[torch.Tensor]:
-    """The weights the kernel keyed by `anchor` asks into L2 at `rows` rows (`choose` of its plan)."""
-    if not (ENABLED and usable(anchor)):
+def targets(anchor: torch.Tensor, rows: int, taken, attention: bool = False) -> list[torch.Tensor]:
+    """The weights the kernel keyed by `anchor` (the decode attention's key cache where `attention`) asks
+    into L2 at `rows` rows (`choose` of its plan; with FROM_ATTENTION, all of it for the attention, none
+    for skinny.py's kernel)."""
+    if not (ENABLED and usable(anchor)) or (FROM_ATTENTION and not attention):
         return []
-    return choose(_PLAN.get(anchor.data_ptr(), []), rows, taken)
+    return choose(_PLAN.get(anchor.data_ptr(), []), rows, (lambda *shape: None) if FROM_ATTENTION else taken)
 
 
 def choose(weights: list[torch.Tensor], rows: int, taken) -> list[torch.Tensor]:
