@@ -337,6 +337,8 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         apart = NEW_KEY_APART and splits > 1
         extra.append(splits if apart else 0)
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
+    if wanted():
+        ahead.side(k_cache, rows)  # (an experiment, off: speed/ahead.py)
     after, constants = ahead.launch_args(ahead.targets(k_cache, rows, skinny_settings, attention=True) if wanted() else [], k_cache)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)

@@ -44,6 +44,13 @@ EARLY = False
 #: kernel reads slowly where it streams a larger weight than its own): the attention waits on chains of
 #: loads and leaves the memory idle, where skinny.py's kernel streams weights itself.
 FROM_ATTENTION = False
+#: Instead of our kernels asking, a kernel of its own on a second stream asks (`side`): launched as each
+#: decode attention starts, beside the step's kernels, for every product up to the next attention; joined
+#: back at that attention. One stream's kernel that asks ends only once its lines have come (measured): a
+#: kernel beside them does not hold up the step's own.
+SIDE = False
+#: Programs of that kernel.
+PROGRAMS = 32
 #: The most bytes one kernel asks for: the products it covers must fit in L2 beside the step's other traffic.
 BYTES = 32 << 20
 #: The most tensors one kernel covers (each is one pointer argument of the kernel).
@@ -52,6 +59,9 @@ MAX = 4
 BLOCK = 256
 
 _PLAN: dict[int, list[torch.Tensor]] = {}
+_ORDER: dict[int, tuple[int, int]] = {}  # a decode attention's key cache -> (its place, how many in the step)
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_forked = [False]  # whether a side kernel runs that the next attention joins back
 
 
 def plan(gm: torch.fx.GraphModule, real: dict, weight_of) -> int:
@@ -76,6 +86,8 @@ def plan(gm: torch.fx.GraphModule, real: dict, weight_of) -> int:
             weight = weight_of(node.args[1], real) if len(node.args) > 1 else None
             ours = packet is ops.skinny_linear
             calls.append(("skinny" if ours else "linear", weight if ours else None, weight))
+    caches = [key for kind, key, _ in calls if kind == "attention" and isinstance(key, torch.Tensor)]
+    _ORDER.update({key.data_ptr(): (i, len(caches)) for i, key in enumerate(caches)})
     planned = 0
     for i, (kind, key, _) in enumerate(calls):
         if kind == "linear" or not isinstance(key, torch.Tensor):
@@ -96,7 +108,7 @@ def targets(anchor: torch.Tensor, rows: int, taken, attention: bool = False) -> 
     """The weights the kernel keyed by `anchor` (the decode attention's key cache where `attention`) asks
     into L2 at `rows` rows (`choose` of its plan; with FROM_ATTENTION, all of it for the attention, none
     for skinny.py's kernel)."""
-    if not (ENABLED and usable(anchor)) or (FROM_ATTENTION and not attention):
+    if not (ENABLED and usable(anchor)) or SIDE or (FROM_ATTENTION and not attention):
         return []
     return choose(_PLAN.get(anchor.data_ptr(), []), rows, (lambda *shape: None) if FROM_ATTENTION else taken)
 
@@ -112,6 +124,35 @@ def choose(weights: list[torch.Tensor], rows: int, taken) -> list[torch.Tensor]:
         out.append(weight)
         total += size
     return out
+
+
+def side(anchor: torch.Tensor, rows: int) -> bool:
+    """(SIDE) Before the decode attention keyed by `anchor` launches: join back the side kernel an earlier
+    attention of the step started, then (unless it is the step's last) start one for every product up to
+    the next attention (`choose` with nothing taken), on the side stream after what the step queued so far.
+    Returns whether it started one."""
+    if not (ENABLED and SIDE and usable(anchor)):
+        return False
+    place, count = _ORDER.get(anchor.data_ptr(), (0, 0))
+    main = torch.cuda.current_stream(anchor.device)
+    index = anchor.device.index if anchor.device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:  # (made once, before any capture: a step runs eagerly before its graph)
+        _SIDE_STREAMS[index] = torch.cuda.Stream(anchor.device)
+    stream = _SIDE_STREAMS[index]
+    if place == 0:
+        _forked[0] = False  # (a new step: nothing of an earlier one to join)
+    if _forked[0]:
+        main.wait_stream(stream)
+        _forked[0] = False
+    weights = choose(_PLAN.get(anchor.data_ptr(), []), rows, lambda *shape: None) if place + 1 < count else []
+    if not weights:
+        return False
+    args, constants = launch_args(weights, weights[0])
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        _side_kernel[(PROGRAMS,)](*args, COUNT=len(weights), STEP=constants["AHEAD_STEP"], BLOCK=BLOCK)
+    _forked[0] = True
+    return True
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -135,6 +176,7 @@ def launch_args(weights: list[torch.Tensor], fallback: torch.Tensor) -> tuple[li
 def clear() -> None:
     """Forget every plan (tests; a new model's weights may reuse the addresses)."""
     _PLAN.clear()
+    _ORDER.clear()
 
 
 if triton is not None:
@@ -163,5 +205,8 @@ if triton is not None:
             _span(a2, n2, pid, programs, STEP, BLOCK)
         if COUNT > 3:
             _span(a3, n3, pid, programs, STEP, BLOCK)
+    @triton.jit
+    def _side_kernel(a0, a1, a2, a3, n0, n1, n2, n3, COUNT: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr):
+        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, COUNT, STEP, BLOCK)
 else:
     prefetch = None

@@ -86,7 +86,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "ahead": (ahead, "ENABLED"), "ahead_early": (ahead, "EARLY"),
-            "ahead_attention": (ahead, "FROM_ATTENTION")}
+            "ahead_attention": (ahead, "FROM_ATTENTION"), "ahead_side": (ahead, "SIDE")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
