@@ -310,6 +310,15 @@ def small_models_apart() -> dict:
     return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
 
 
+def small_models_prefetch() -> dict:
+    """The 0.6B shape's compiled decode step with the next products' weights asked into L2 (speed/ahead.py, since
+    removed): by our kernels (ahead, early), by the attention alone (attn), by a kernel on a second stream (side,
+    cside), against the default compiled step and fresh's path (apart); two H100s (commands 2 and 3) and an H200
+    (command 5), one process per command."""
+    run = DATA / "runs/gpu_small_models_prefetch_2026-12-05/"
+    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+
+
 def _floor_paths(run: Path, stage) -> dict:
     """Each compiled path of the 0.6B floor matrices in `run`, keyed q06_b{batch}_{stage(file)}_{path}: its ms,
     its multiple of the floor and, where the run listed kernels (--kernels), their count and the ms by kind."""
@@ -357,7 +366,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
-            "small_models_apart": small_models_apart}
+            "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -405,7 +414,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
            "small_models_apart": [f"figures/data/runs/gpu_small_models_apart_2026-12-05/{f}.json" for f in (
                "2_floor_matrix_qwen3-0.6b-shape_b1", "4_floor_matrix_qwen3-0.6b-shape_b4_8",
-               "6_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
+               "6_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
+           "small_models_prefetch": [f"figures/data/runs/gpu_small_models_prefetch_2026-12-05/{f}.json" for f in (
+               "2_floor_matrix_qwen3-0.6b-shape_b1_4", "3_floor_matrix_qwen3-0.6b-shape_b8_1_4",
+               "5_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 
 
 def derive() -> dict:

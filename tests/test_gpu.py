@@ -168,32 +168,6 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatc
     assert max(splits) > 1
 
 
-@pytest.mark.parametrize("widest, early, side", [({4: 64}, False, False), ({}, True, False), ({4: 64}, False, True)],
-                         ids=["after-skinny", "after-attention", "side-stream"])
-def test_weights_asked_into_l2_ahead_change_no_token(widest, early, side, monkeypatch):
-    """speed/ahead.py (ENABLED): our kernels ask the weights of the cuBLAS products after them into L2
-    (skinny.py's product with this tiny model's 64-column products on it; the decode attention with every
-    product on cuBLAS), or (SIDE) a kernel on a second stream asks, forked and joined inside the step's
-    CUDA graph: prefetches were asked for, and the tokens are the eager ones, sync and async."""
-    from minibatch.model import triton_decode
-    from minibatch.speed import ahead, skinny
-
-    if not triton_decode.available():
-        pytest.skip("needs triton")
-    monkeypatch.setattr(ahead, "ENABLED", True)
-    monkeypatch.setattr(ahead, "EARLY", early)
-    monkeypatch.setattr(ahead, "SIDE", side)
-    monkeypatch.setattr(skinny, "WIDEST", widest)
-    asked = []
-    real_targets, real_side = ahead.targets, ahead.side
-    monkeypatch.setattr(ahead, "targets", lambda *a, **k: asked.append(real_targets(*a, **k)) or asked[-1])
-    monkeypatch.setattr(ahead, "side", lambda *a: asked.append(real_side(*a)) or asked[-1])
-    model, work, kw, eager = small_qwen3_run(15)
-    torch._dynamo.reset()
-    compiled_runs_give(eager, model, work, kw)
-    assert any(asked), "no kernel asked for a prefetch"
-
-
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
     kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the

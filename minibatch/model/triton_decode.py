@@ -44,9 +44,6 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
-from ..speed import ahead
-from ..speed.ahead import prefetch
-from ..speed.skinny import settings as skinny_settings
 from ..speed.early import has_pdl, prefetch_l2, wanted
 
 BLOCK_N = 64  # keys per loop iteration
@@ -123,23 +120,12 @@ if triton is not None:
         return m_new, l_i * alpha + p, acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
 
     @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        """a @ b in float32: exact products (IEEE, for float32 inputs) or the tensor cores' default."""
-        if IEEE:
-            out = tl.dot(a, b, input_precision="ieee")
-        else:
-            out = tl.dot(a, b)
-        return out
-
-    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
-                       a0, a1, a2, a3, n0, n1, n2, n3,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, AHEAD_START: tl.constexpr,
-                       AHEAD_END: tl.constexpr, AHEAD_STEP: tl.constexpr, AHEAD_BLOCK: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -147,7 +133,6 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         if PDL:  # launched early (programmatic dependent launch)
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
-        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)  # (speed/ahead.py)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
@@ -169,7 +154,10 @@ if triton is not None:
             if WINDOW > 0:
                 valid = valid & (q_pos - k_pos < WINDOW)
             k = tl.load(k_ptr + slot[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), IEEE)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no visible key
@@ -177,11 +165,14 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + slot[:, None] * sv_s + h * sv_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
-        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)
         if FRESH:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
@@ -337,19 +328,16 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         apart = NEW_KEY_APART and splits > 1
         extra.append(splits if apart else 0)
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
-    if wanted():
-        ahead.side(k_cache, rows)  # (an experiment, off: speed/ahead.py)
-    after, constants = ahead.launch_args(ahead.targets(k_cache, rows, skinny_settings, attention=True) if wanted() else [], k_cache)
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         *q_strides, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra, *after,
+        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
         LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
-        num_warps=warps, num_stages=stages, **early, **constants, AHEAD_BLOCK=ahead.BLOCK,
+        num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,

@@ -5,7 +5,6 @@
     skinny.py     a Triton kernel for products of a few rows by a narrow weight (small models)      07
     prenorm.py    the residual add and RMSNorm inside that kernel's products (an experiment, off)  07
     early.py      kernels launched before the one before them ends (Hopper; compiled steps)         07
-    ahead.py      our kernels ask the next cuBLAS products' weights into L2 (an experiment, off)  07
     wide_argmax.py  the argmax over a vocabulary in two steps, inside compiled steps                07
     compat.py     the private PyTorch hooks they (and the model) use, one function each               07
     startup_graphs.py  CUDA graphs captured before a server's first request (capture_up_to)  08

@@ -35,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from . import ahead, wide_argmax
+from . import wide_argmax
 from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
 
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
@@ -184,7 +184,7 @@ class _Backend:
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
-        self.merged, self.routed, self.argmaxes, self.planned = [], [], [], []
+        self.merged, self.routed, self.argmaxes = [], [], []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         if self.merging:
@@ -195,10 +195,6 @@ class _Backend:
             self.routed.append(skinny.route(gm, example_inputs))
             if prenorm.ENABLED:  # (an experiment, off: prenorm.py)
                 prenorm.fuse(gm, example_inputs)
-        if ahead.ENABLED:  # (an experiment, off: ahead.py)
-            from . import skinny
-
-            self.planned.append(ahead.plan(gm, skinny._placeholders(gm, example_inputs), skinny._weight))
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

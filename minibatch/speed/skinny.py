@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from . import ahead
 from .early import has_pdl, prefetch_l2, wanted
 
 try:
@@ -42,7 +41,6 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
-from .ahead import prefetch
 
 #: the widest product (output columns) that goes to the kernel, by the most rows it has (`settings`):
 #: one row up to 2048 columns, 2-4 rows up to 1024; more rows or wider products stay on cuBLAS
@@ -80,11 +78,9 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
-                       a0, a1, a2, a3, n0, n1, n2, n3,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr, AHEAD_START: tl.constexpr, AHEAD_END: tl.constexpr,
-                       AHEAD_STEP: tl.constexpr, AHEAD_BLOCK: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -100,8 +96,6 @@ if triton is not None:
             w_lines = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * swn
             for i in range(0, pieces):
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
-        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_START, AHEAD_STEP, AHEAD_BLOCK)  # (ahead.py: at the start)
-        if PDL:
             tl.extra.cuda.gdc_wait()
         if PRE:  # x is RMSNorm(x + r) (prenorm.py): the rows' 1 / rms first, from all of K
             rstd = _row_rstd(x_rows, r_ptr + rm[:, None] * srm, h_ptr + rm[:, None] * shm, rm[:, None] < M, K, eps,
@@ -120,7 +114,6 @@ if triton is not None:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
             tl.extra.cuda.gdc_launch_dependents()  # they would take the places this kernel's last programs need
-        prefetch(a0, a1, a2, a3, n0, n1, n2, n3, AHEAD_END, AHEAD_STEP, AHEAD_BLOCK)  # (or at the end)
         out = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:  # this range's partial sum, into scratch [splits, M, N] (float32)
             tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
@@ -154,10 +147,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     r, norm_weight, h, eps = pre or (x, x, x, 0.0)
-    after, constants = ahead.launch_args(ahead.targets(w, M, settings) if wanted() else [], w)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
-        h.stride(0), float(eps), *after, **constants, AHEAD_BLOCK=ahead.BLOCK,
+        h.stride(0), float(eps),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
         PRE=pre is not None, num_warps=setting["warps"],

@@ -711,6 +711,17 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # kernel, which its rule keeps on cuBLAS by default, so it is timed together with a wider rule, and
 # that is what sank it: the norm kernels went, but at 4 and 8 rows the wide products ran 0.2-0.3 ms
 # slower on our kernel than on cuBLAS, the whole step 1.20 and 1.43 ms <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_prenorm_ms, small_models_fresh.q06_b8_run1_prenorm_ms -->. It stays off too.
+#
+# A third experiment asked the memory for weights before the products need them. The merged q/k/v and
+# gate/up products on cuBLAS take about twice the time their bytes need, while the attention kernel
+# before them waits on chains of small loads and leaves the memory idle. So each attention asked (PTX's
+# `prefetch.global.L2`, a hint that returns nothing) for the weights of every product up to the next
+# attention to be brought into the GPU's 50 MB L2 cache. The products did get faster, from 0.72 to 0.66 <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run3_apart_matmul, small_models_prefetch.q06_b1_run3_attn_matmul -->
+# ms of matrix products a step at one row on an H100, but the attention kernel grew from 0.23 to 0.42 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run3_apart_attention, small_models_prefetch.q06_b1_run3_attn_attention -->,
+# and the step from 1.04 to 1.08 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run3_apart_ms, small_models_prefetch.q06_b1_run3_attn_ms -->: the kernel that asked ran longer by nearly the time those
+# bytes take to arrive at full bandwidth, so the wait moved instead of vanishing. Asking from a kernel of its own on a second stream, forked and
+# joined inside the step's CUDA graph at every layer, lost too (0.93 to 1.05 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run5_apart_ms, small_models_prefetch.q06_b1_run5_side_ms --> on the H200). Both
+# are recorded in BENCHMARKS.md and their code removed. What is left is the number of kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most

@@ -64,7 +64,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import ahead, compiled as compiled_module, early, prenorm, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, prenorm, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -85,8 +85,7 @@ def parse_setting(text: str) -> tuple:
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
-            "apart": (triton_decode, "NEW_KEY_APART"), "ahead": (ahead, "ENABLED"), "ahead_early": (ahead, "EARLY"),
-            "ahead_attention": (ahead, "FROM_ATTENTION"), "ahead_side": (ahead, "SIDE")}
+            "apart": (triton_decode, "NEW_KEY_APART")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -257,7 +256,6 @@ def main() -> None:
                 for name, compiled in paths.items():
                     if compiled is not None:
                         torch._dynamo.reset()  # (each path compiles its own graph, even where the backend is shared)
-                        compiled._backend().planned.clear()
                     with module_settings(modules.get(name, {})):
                         r = decode_point(model, dev, batch, context, compiled, args.replays, args.kernels,
                                          args.kernels if args.kernels in ("top", "all") else None)
@@ -265,8 +263,6 @@ def main() -> None:
                     if compiled is not None:  # linear calls handed to skinny.py's operator in this point's compile
                         row[name]["routed"] = compiled.routed[-1] if compiled.routed else 0
                         row[name]["argmaxes"] = compiled.argmaxes[-1] if compiled.argmaxes else 0
-                        planned = compiled._backend().planned
-                        row[name]["ahead_planned"] = planned[-1] if planned else 0
                 points.append(row)
                 print(f"{batch:5d} {context:7d} {floor:8.2f} {linear:9.2f} " + " ".join(
                     f"{row[p]['ms']:12.2f} {row[p]['over_floor']:7.2f}" for p in paths)
@@ -277,9 +273,7 @@ def main() -> None:
                     if k:
                         print(f"{'':14} {p}: {k['kernels']:.0f} kernels; matmul {k['matmul']:.2f}, attention "
                               f"{k['attention']:.2f} (keys and values at the floor: {kv_floor:.2f}), other "
-                              f"{k['other']:.2f}, gaps {k['gaps']:.2f} ms"
-                              + (f"; {row[p]['ahead_planned']} kernels plan prefetches" if row[p].get("ahead_planned")
-                                 else ""), flush=True)
+                              f"{k['other']:.2f}, gaps {k['gaps']:.2f} ms", flush=True)
                 (out / "floor_matrix.json").write_text(json.dumps({"env": env, "points": points}, indent=1))
 
 
