@@ -47,6 +47,13 @@ def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
     assert [skinny.settings(r, 1024, k)["block_k"] for r in (1, 4) for k in (1024, 2048, 3072)] == [1024, 2048, 1024] * 2
 
 
+def test_defer_takes_two_to_four_rows_in_pieces_of_512(monkeypatch):
+    """DEFER (an experiment): 2-4 rows get the products summed once after the loop; one row keeps its setting."""
+    monkeypatch.setattr(skinny, "DEFER", True)
+    assert skinny.settings(4, 1024, 3072) == dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
+    assert skinny.settings(2, 1024, 2048)["defer"] and "defer" not in skinny.settings(1, 1024, 2048)
+
+
 def test_the_operator_off_cuda_is_linear():
     """skinny_linear on the CPU: F.linear's result, for inputs with leading dimensions too."""
     g = torch.Generator().manual_seed(0)
@@ -162,7 +169,9 @@ def test_the_backend_runs_the_pass_and_inductor_compiles_the_operator():
     dict(block_n=16, block_k=16, warps=4, stages=2, split=3, dot=True),
     skinny.settings(1, 1024, 1024),
     {**skinny.settings(1, 1024, 1024), "block_n": 32, "block_k": 256, "stages": 4, "dot": True},
-], ids=["plain", "split2", "split4", "dot", "dot-split3", "shipped", "wide-rule"])
+    dict(block_n=4, block_k=64, warps=4, stages=3, defer=True),
+    dict(block_n=8, block_k=32, warps=4, stages=1, split=2, defer=True),
+], ids=["plain", "split2", "split4", "dot", "dot-split3", "shipped", "wide-rule", "defer", "defer-split2"])
 def test_the_kernel_computes_the_product(rows, setting):
     """launch against x @ w.T (float32) with K not a multiple of the piece, N not of the columns per
     program, rows of x and w strided wider than K; with K splits the same bits on every call (the

@@ -80,7 +80,7 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -89,6 +89,8 @@ if triton is not None:
         w_rows = w_ptr + rn[:, None].to(tl.int64) * swn
         x_rows = x_ptr + rm[:, None] * sxm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DEFER:  # every product kept apart along K, summed once after the loop (not once a piece)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
         if PDL:  # launched while the kernel before it still runs: this program's weights (which no kernel
             # writes) start streaming into L2 now; x, that kernel's output, is read only after it is done
@@ -110,8 +112,12 @@ if triton is not None:
                 x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
             if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
+            elif DEFER:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if DEFER:
+            acc = tl.sum(acc3, axis=2)
         if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
             tl.extra.cuda.gdc_launch_dependents()  # they would take the places this kernel's last programs need
         out = (rm[:, None] < M) & (rn[None, :] < N)
@@ -136,8 +142,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
-    tile; block_n and block_k at least 16; default False), pdl (launched early: early.py; default: inside
-    a compiled step, only where the GPU has it)."""
+    tile; block_n and block_k at least 16; default False), defer (without dot: the products kept apart
+    along K in registers and summed once after the loop instead of once a piece; default False), pdl
+    (launched early: early.py; default: inside a compiled step, only where the GPU has it)."""
     block_n, block_k = setting["block_n"], setting["block_k"]
     pdl = setting.get("pdl", wanted()) and has_pdl(x.device)
     split, dot = setting.get("split", 1), setting.get("dot", False)
@@ -152,7 +159,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
         h.stride(0), float(eps),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        PRE=pre is not None, num_warps=setting["warps"],
+        PRE=pre is not None, DEFER=setting.get("defer", False) and not dot, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -182,6 +189,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return None
     if rows > 4 or (rows > 1 and n > 2048):
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+    if DEFER and rows > 1:
+        return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     whole = ONE_PIECE and k in (1024, 2048)
     return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
 
@@ -191,6 +200,13 @@ def settings(rows: int, n: int, k: int) -> dict | None:
 #: at one row, 4.42 against 4.89 at four; at K = 3072 (two pieces of 2048, half of the second masked)
 #: it was slower, so larger K keeps pieces of 1024.
 ONE_PIECE = False
+
+
+#: An experiment, off until timed in a step: with 2-4 rows, the kernel's products summed along K once after
+#: its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
+#: has 4 times the outputs of one row's, a reduction across the program's threads every piece, and the
+#: kernel took 1.1-1.7 us longer a product at 4 rows than at 1 (skinny_gemv_ab.py).
+DEFER = False
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

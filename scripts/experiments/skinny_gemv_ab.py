@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--model", default="qwen3-0.6b-shape", choices=[n for n in RANDOM_CONFIGS if "shape" in n])
     ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--shapes", default=None, help="the products to time, e.g. o,down (default: all)")
+    ap.add_argument("--grid", choices=["all", "defer"], default="all",
+                    help="defer: only the shipped settings and the kernel's `defer` ones (sums over K after the loop)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("skinny_gemv_ab.py times CUDA graphs: it needs a CUDA GPU")
@@ -63,6 +66,12 @@ def main() -> None:
             for n, k, w, s, p in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3), (1, 2, 4))] + [
         dict(block_n=n, block_k=k, warps=w, stages=s, split=p, dot=True)  # tensor cores, 16 rows a tile
         for n, k, w, s, p in itertools.product((16, 32), (256, 512, 1024), (4, 8), (2, 4), (1, 2, 4))]
+    if args.grid == "defer":
+        grid = [dict(block_n=4, block_k=k, warps=4, stages=3, split=1) for k in (1024, 2048)] + [
+            dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=True)
+            for n, k, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     results = {"model": args.model, "copy_bandwidth": bw, "rows": rows, "layers": layers, "shapes": {},
                "torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d"), "command": "python3 scripts/experiments/skinny_gemv_ab.py "

@@ -85,7 +85,7 @@ def parse_setting(text: str) -> tuple:
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
-            "apart": (triton_decode, "NEW_KEY_APART")}
+            "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
