@@ -47,11 +47,13 @@ def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
     assert [skinny.settings(r, 1024, k)["block_k"] for r in (1, 4) for k in (1024, 2048, 3072)] == [1024, 2048, 1024] * 2
 
 
-def test_defer_takes_two_to_four_rows_in_pieces_of_512(monkeypatch):
-    """DEFER (an experiment): 2-4 rows get the products summed once after the loop; one row keeps its setting."""
+def test_defer_takes_two_to_four_rows_with_k_over_2048_in_pieces_of_512(monkeypatch):
+    """DEFER (an experiment): 2-4 rows with K over 2048 get the products summed once after the loop; one row,
+    and K of 2048 or less, keep their setting."""
     monkeypatch.setattr(skinny, "DEFER", True)
     assert skinny.settings(4, 1024, 3072) == dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
-    assert skinny.settings(2, 1024, 2048)["defer"] and "defer" not in skinny.settings(1, 1024, 2048)
+    assert skinny.settings(2, 1024, 3072)["defer"]
+    assert "defer" not in skinny.settings(1, 1024, 3072) and "defer" not in skinny.settings(4, 1024, 2048)
 
 
 def test_the_operator_off_cuda_is_linear():

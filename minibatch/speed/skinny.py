@@ -189,7 +189,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return None
     if rows > 4 or (rows > 1 and n > 2048):
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
-    if DEFER and rows > 1:
+    if DEFER and rows > 1 and k > 2048:
         return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     whole = ONE_PIECE and k in (1024, 2048)
     return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
@@ -202,8 +202,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
 ONE_PIECE = False
 
 
-#: An experiment, off until timed in a step: with 2-4 rows, the kernel's products summed along K once after
-#: its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
+#: An experiment, off until timed in a step: with 2-4 rows and K over 2048 (the 0.6B down product), the
+#: kernel's products summed along K once after its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
 #: has 4 times the outputs of one row's, a reduction across the program's threads every piece, and the
 #: kernel took 1.1-1.7 us longer a product at 4 rows than at 1 (skinny_gemv_ab.py).
 DEFER = False
