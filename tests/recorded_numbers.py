@@ -319,6 +319,14 @@ def small_models_prefetch() -> dict:
     return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
 
 
+def small_models_defer() -> dict:
+    """The 0.6B shape's compiled decode step with skinny.py's K of 2048 in one piece (one) and its 2-4 rows'
+    products summed once after the loop (defer), against the default compiled step and fresh's path (apart);
+    one H100, one process per command."""
+    run = DATA / "runs/gpu_small_models_defer_2026-12-05/"
+    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+
+
 def _floor_paths(run: Path, stage) -> dict:
     """Each compiled path of the 0.6B floor matrices in `run`, keyed q06_b{batch}_{stage(file)}_{path}: its ms,
     its multiple of the floor and, where the run listed kernels (--kernels), their count and the ms by kind."""
@@ -366,7 +374,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "serving_all_graphs": serving_all_graphs, "small_models": small_models,
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
-            "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch}
+            "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
+            "small_models_defer": small_models_defer}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -417,7 +426,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "6_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
            "small_models_prefetch": [f"figures/data/runs/gpu_small_models_prefetch_2026-12-05/{f}.json" for f in (
                "2_floor_matrix_qwen3-0.6b-shape_b1_4", "3_floor_matrix_qwen3-0.6b-shape_b8_1_4",
-               "5_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
+               "5_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
+           "small_models_defer": [f"figures/data/runs/gpu_small_models_defer_2026-12-05/{f}.json" for f in (
+               "2_floor_matrix_qwen3-0.6b-shape_b4", "3_floor_matrix_qwen3-0.6b-shape_b1")]}
 
 
 def derive() -> dict:

@@ -168,6 +168,31 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatc
     assert max(splits) > 1
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(rows, monkeypatch):
+    """The 0.6B shape's attention output (K = 2048, in one piece: skinny.ONE_PIECE) and down product (K = 3072,
+    summed once after the loop at 2-4 rows: skinny.DEFER) on skinny.py's kernel inside compiled steps, in a
+    two-layer model of those widths (float32): the eager tokens, sync and async, and the kernel took them."""
+    from minibatch.model import model as model_module
+    from minibatch.speed import skinny
+
+    shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
+    monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
+    taken = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a: taken.append((w.shape[1], setting))
+                        or real_launch(x, w, y, setting, *a))
+    model = minibatch.load_model("qwen3-0.6b-widths", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(16)
+    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)[:rows]]
+    kw = dict(max_new_tokens=8, max_batch_size=rows, max_batch_tokens=256)
+    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    torch._dynamo.reset()
+    compiled_runs_give(eager, model, work, kw)
+    assert any(k == 2048 and s["block_k"] == 2048 for k, s in taken)
+    assert (rows > 1) == any(k == 3072 and s.get("defer") for k, s in taken)
+
+
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
     kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the

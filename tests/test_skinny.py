@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 def test_the_kernel_is_chosen_for_few_rows_and_narrow_outputs_only():
     """`settings`: one row and at most 2048 output columns, or 2-4 rows and at most 1024 (where it was
     measured to win or tie); else cuBLAS."""
-    assert skinny.settings(1, 1024, 2048) == dict(block_n=4, block_k=1024, warps=4, stages=3)
+    assert skinny.settings(1, 1024, 1024) == dict(block_n=4, block_k=1024, warps=4, stages=3)
     assert skinny.settings(1, 2048, 8192) is not None and skinny.settings(4, 1024, 3072) is not None
     assert skinny.settings(4, 2048, 8192) is None  # a 1B model's down product at 4 rows: cuBLAS is faster
     assert skinny.settings(max(skinny.WIDEST) + 1, 1024, 2048) is None  # 5 rows and more: cuBLAS
@@ -34,26 +34,31 @@ def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypa
     2048 columns, run on tensor cores; one row, and the narrow products of 2-4 rows, keep the shipped setting."""
     monkeypatch.setattr(skinny, "WIDEST", {1: 8192, 8: 8192})
     shipped = dict(block_n=4, block_k=1024, warps=4, stages=3)
-    assert skinny.settings(1, 4096, 1024) == shipped and skinny.settings(4, 1024, 3072) == shipped
+    assert skinny.settings(1, 4096, 1024) == shipped and skinny.settings(1, 1024, 3072) == shipped
     for rows, n in ((4, 4096), (2, 6144), (8, 1024)):
         assert skinny.settings(rows, n, 1024) == dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
     assert skinny.settings(9, 1024, 1024) is None
 
 
 def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
-    """ONE_PIECE: K of 1024 or 2048 in one piece (what timed faster alone), larger K in pieces of 1024."""
-    assert skinny.settings(1, 1024, 2048)["block_k"] == 1024
-    monkeypatch.setattr(skinny, "ONE_PIECE", True)
+    """ONE_PIECE (on): K of 2048 in one piece on products of at most 1024 columns (what timed faster, alone
+    and in the 0.6B step), larger K in pieces of 1024 (or, DEFER, of 512 with 2-4 rows), and the 1B model's
+    2048-column attention output (untimed) in pieces of 1024; off, pieces of 1024."""
+    monkeypatch.setattr(skinny, "DEFER", False)
     assert [skinny.settings(r, 1024, k)["block_k"] for r in (1, 4) for k in (1024, 2048, 3072)] == [1024, 2048, 1024] * 2
+    assert skinny.settings(1, 2048, 2048)["block_k"] == 1024
+    monkeypatch.setattr(skinny, "ONE_PIECE", False)
+    assert skinny.settings(1, 1024, 2048)["block_k"] == 1024
 
 
 def test_defer_takes_two_to_four_rows_with_k_over_2048_in_pieces_of_512(monkeypatch):
-    """DEFER (an experiment): 2-4 rows with K over 2048 get the products summed once after the loop; one row,
-    and K of 2048 or less, keep their setting."""
-    monkeypatch.setattr(skinny, "DEFER", True)
+    """DEFER (on): 2-4 rows with K over 2048 get the products summed once after the loop; one row, and K of
+    2048 or less, keep their setting; off, the 4-row down product has pieces of 1024."""
     assert skinny.settings(4, 1024, 3072) == dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     assert skinny.settings(2, 1024, 3072)["defer"]
     assert "defer" not in skinny.settings(1, 1024, 3072) and "defer" not in skinny.settings(4, 1024, 2048)
+    monkeypatch.setattr(skinny, "DEFER", False)
+    assert skinny.settings(4, 1024, 3072) == dict(block_n=4, block_k=1024, warps=4, stages=3)
 
 
 def test_the_operator_off_cuda_is_linear():

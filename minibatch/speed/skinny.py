@@ -177,7 +177,9 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     one row and slower at 4 rows; with 8 rows cuBLAS is within 9% of the kernel's best setting
     everywhere. So (`WIDEST`): one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
     timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
-    pieces of 1024, 4 warps, 3 pipeline stages.
+    pieces of 1024, 4 warps, 3 pipeline stages; except, where it was timed faster in the 0.6B step, K of
+    2048 in one piece for products of at most 1024 columns (`ONE_PIECE`), and with 2-4 rows and K over
+    2048, pieces of 512 summed along K once after the loop (`DEFER`).
 
     For experiments that widen `WIDEST` (floor_matrix.py --variants widest=...), the products it then
     takes get the setting that timed best for them alone: more than 4 rows, or 2-4 rows on a product
@@ -191,22 +193,26 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
     if DEFER and rows > 1 and k > 2048:
         return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
-    whole = ONE_PIECE and k in (1024, 2048)
+    whole = ONE_PIECE and k == 2048 and n <= 1024
     return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
 
 
-#: An experiment, off until timed in a step: K in one piece where it is 2048 (the 0.6B attention output).
+#: K in one piece where it is 2048 and the product has at most 1024 columns (the 0.6B attention output).
 #: Alone (skinny_gemv_ab.py, 28 copies in a graph, no early launch) that product took 3.29 us against 3.72
 #: at one row, 4.42 against 4.89 at four; at K = 3072 (two pieces of 2048, half of the second masked)
-#: it was slower, so larger K keeps pieces of 1024.
-ONE_PIECE = False
+#: it was slower, so larger K keeps pieces of 1024. In the 0.6B compiled step (fresh.py's path, one
+#: process per batch, BENCHMARKS.md "Small models"): 1.032 -> 1.014 ms at 1 row, 1.198 -> 1.176 at 4 on an
+#: H100. The 1B model's attention output (2048 columns, one row) was not timed with it: pieces of 1024.
+ONE_PIECE = True
 
 
-#: An experiment, off until timed in a step: with 2-4 rows and K over 2048 (the 0.6B down product), the
-#: kernel's products summed along K once after its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
-#: has 4 times the outputs of one row's, a reduction across the program's threads every piece, and the
-#: kernel took 1.1-1.7 us longer a product at 4 rows than at 1 (skinny_gemv_ab.py).
-DEFER = False
+#: With 2-4 rows and K over 2048 (the 0.6B down product), the kernel's products summed along K once after
+#: its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
+#: has 4 times the outputs of one row's, a reduction across the program's threads every piece; the kernel
+#: took 1.1-1.7 us longer a product at 4 rows than at 1. Timed on an H100: alone (skinny_gemv_ab.py --grid
+#: defer, 28 copies) the down product at 4 rows 0.175 -> 0.150 ms, at 1 row no faster (so not used there);
+#: in the 0.6B compiled step at 4 rows (with ONE_PIECE) 1.176 -> 1.163 ms.
+DEFER = True
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

@@ -626,8 +626,8 @@ for b in (1, 4, 8):
 # %% [markdown]
 # Two warps and two stages take the 0.6B step from 1.13 to 1.11 <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_defaults_ms, small_models_switches.q06_b4_lean_compile_ms --> ms at batch 4,
 # and at batch 8 from 1.26 to 1.22 <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_defaults_ms, small_models_switches.q06_b8_lean_compile_ms --> ms: 3.21x <!-- from figures/data/headline.json: small_models_switches.q06_b4_lean_compile_x --> and 3.04x <!-- from figures/data/headline.json: small_models_switches.q06_b8_lean_compile_x --> its floor. At batch 1 the
-# launch stays as it was; there the defaults were as fast. Of the other four, three stay off behind
-# their switches and the fourth is gone from the code: folding the combine into the attention kernel made every step slower (at batch 4, 1.15 to 1.24 <!-- from figures/data/headline.json: small_models_switches.q06_b4_switches_compile_ms, small_models_switches.q06_b4_switches_fold_ms --> ms), and the kernel
+# launch stays as it was; there the defaults were as fast. Of the other four, three stayed off behind
+# their switches then and the fourth is gone from the code: folding the combine into the attention kernel made every step slower (at batch 4, 1.15 to 1.24 <!-- from figures/data/headline.json: small_models_switches.q06_b4_switches_compile_ms, small_models_switches.q06_b4_switches_fold_ms --> ms), and the kernel
 # alone was slower wherever it splits the keys. The merged products on our own kernel saved 0.02 ms
 # at batch 1 and cost as much at batch 8 (their products took longer there; why was not looked into);
 # the product in one piece and the carry-over as one kernel moved the step by less than two compiles
@@ -722,6 +722,13 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # bytes take to arrive at full bandwidth, so the wait moved instead of vanishing. Asking from a kernel of its own on a second stream, forked and
 # joined inside the step's CUDA graph at every layer, lost too (0.93 to 1.05 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run5_apart_ms, small_models_prefetch.q06_b1_run5_side_ms --> on the H200). Both
 # are recorded in BENCHMARKS.md and their code removed. What is left is the number of kernels itself.
+#
+# Two settings of the product kernel itself did help, once each was looked at alone. With four rows the
+# kernel took longer per product than with one, because every piece of K ends in a sum across the
+# program's threads, and with four rows that sum has four times as many outputs. Keeping the products
+# apart in registers and summing once after the loop (`skinny.DEFER`, for the down product's 3072
+# inputs), with the attention output's 2048 inputs read in one piece (`skinny.ONE_PIECE`), took fresh's
+# step at 4 rows from 1.20 to 1.16 ms <!-- from figures/data/headline.json: small_models_defer.q06_b4_run2_apart_ms, small_models_defer.q06_b4_run2_defer_ms --> on an H100, in one process. Both are on by default now.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most

@@ -30,7 +30,8 @@ programmatic dependent launch (their default where the GPU has it), with widest=
 skinny.py's kernel, with argmax=0
 the vocabulary's argmax as one reduction (speed/wide_argmax.py: two steps by default), with lean=0 the
 decode attention with Triton's default warps and stages at every batch (triton_decode.LEAN), with
-one_piece=1 skinny.py's kernel reading K = 2048 in one piece (skinny.ONE_PIECE), with carry=1 the step's
+one_piece=0 skinny.py's kernel reading K = 2048 in pieces of 1024 (skinny.ONE_PIECE, on by default), with
+defer=0 its products of 2-4 rows by K over 2048 summed once a piece (skinny.DEFER, on by default), with carry=1 the step's
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
 as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
@@ -93,7 +94,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     (our kernels launched early inside compiled steps: early.ENABLED),
     widest=ROWS:COLUMNS/... (skinny.WIDEST), argmax=0/1 (the vocabulary's argmax in two steps:
     wide_argmax.ENABLED), lean=0/1 (the decode attention's 2 warps and 2 stages at 4-64 rows:
-    triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE), carry=0/1 (the carry-over as one compiled
+    triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE, on by default), defer=0/1 (skinny.DEFER, on by
+    default), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
@@ -207,8 +209,8 @@ def main() -> None:
                          "own kernels without programmatic dependent launch (speed/early.py); widest=1:8192/8:4096 "
                          "sets skinny.WIDEST (which products go to speed/skinny.py's kernel); argmax=0 "
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
-                         "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=1 sets "
-                         "skinny.ONE_PIECE; carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
+                         "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
+                         "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); prenorm=1 sets speed/prenorm.py's "
                          "ENABLED")
     ap.add_argument("--replays", type=int, default=50)

@@ -29,8 +29,8 @@
 #              limit per command): q/k/v handed to the decode kernel as their
 #              projections left them (fresh=1: model/fresh.py, off); that with the merged q/k/v and gate/up
 #              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
-#              speed/prenorm.py, off); and those with the 2048-input product in one piece and the carry-over as one
-#              compiled kernel (one_piece=1, carry=1, off); not in the default list
+#              speed/prenorm.py, off); and those with the carry-over as one compiled kernel (carry=1, off; the
+#              2048-input product in one piece, one_piece=1, is the default now); not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
