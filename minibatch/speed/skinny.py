@@ -197,21 +197,18 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
 
 
-#: K in one piece where it is 2048 and the product has at most 1024 columns (the 0.6B attention output).
-#: Alone (skinny_gemv_ab.py, 28 copies in a graph, no early launch) that product took 3.29 us against 3.72
-#: at one row, 4.42 against 4.89 at four; at K = 3072 (two pieces of 2048, half of the second masked)
-#: it was slower, so larger K keeps pieces of 1024. In the 0.6B compiled step (fresh.py's path, one
-#: process per batch, BENCHMARKS.md "Small models"): 1.032 -> 1.014 ms at 1 row, 1.198 -> 1.176 at 4 on an
-#: H100. The 1B model's attention output (2048 columns, one row) was not timed with it: pieces of 1024.
+#: K in one piece where it is 2048 and the product has at most 1024 columns (the 0.6B attention output):
+#: timed faster alone (skinny_gemv_ab.py) and in the 0.6B compiled step at 1 and 4 rows (BENCHMARKS.md,
+#: small models). K = 3072 in two pieces of 2048 (half of the second masked) was slower, so larger K keeps
+#: pieces of 1024; the 1B model's attention output (2048 columns, one row) was not timed with it.
 ONE_PIECE = True
 
 
 #: With 2-4 rows and K over 2048 (the 0.6B down product), the kernel's products summed along K once after
 #: its loop rather than once a piece (`defer`), in pieces of 512. Why: with 4 rows each piece's sum over K
-#: has 4 times the outputs of one row's, a reduction across the program's threads every piece; the kernel
-#: took 1.1-1.7 us longer a product at 4 rows than at 1. Timed on an H100: alone (skinny_gemv_ab.py --grid
-#: defer, 28 copies) the down product at 4 rows 0.175 -> 0.150 ms, at 1 row no faster (so not used there);
-#: in the 0.6B compiled step at 4 rows (with ONE_PIECE) 1.176 -> 1.163 ms.
+#: has 4 times the outputs of one row's, a reduction across the program's threads every piece, and the
+#: kernel took longer a product at 4 rows than at 1. Timed faster alone at 4 rows (not at 1, so not used
+#: there) and in the 0.6B compiled step at 4 rows (BENCHMARKS.md, small models).
 DEFER = True
 
 
