@@ -721,14 +721,15 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # and the step from 1.04 to 1.08 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run3_apart_ms, small_models_prefetch.q06_b1_run3_attn_ms -->: the kernel that asked ran longer by nearly the time those
 # bytes take to arrive at full bandwidth, so the wait moved instead of vanishing. Asking from a kernel of its own on a second stream, forked and
 # joined inside the step's CUDA graph at every layer, lost too (0.93 to 1.05 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run5_apart_ms, small_models_prefetch.q06_b1_run5_side_ms --> on the H200). Both
-# are recorded in BENCHMARKS.md and their code removed. What is left is the number of kernels itself.
+# are recorded in BENCHMARKS.md and their code removed.
 #
-# Two settings of the product kernel itself did help, once each was looked at alone. With four rows the
-# kernel took longer per product than with one, because every piece of K ends in a sum across the
-# program's threads, and with four rows that sum has four times as many outputs. Keeping the products
-# apart in registers and summing once after the loop (`skinny.DEFER`, for the down product's 3072
-# inputs), with the attention output's 2048 inputs read in one piece (`skinny.ONE_PIECE`), took fresh's
-# step at 4 rows from 1.20 to 1.16 ms <!-- from figures/data/headline.json: small_models_defer.q06_b4_run2_apart_ms, small_models_defer.q06_b4_run2_defer_ms --> on an H100, in one process. Both are on by default now.
+# Smaller gains came from the product kernel's own settings. With four rows it took longer per product
+# than with one; a likely reason is that every piece of K ends in a sum across the program's threads,
+# and with four rows that sum has four times as many outputs. Keeping the products apart in registers
+# and summing once after the loop (`skinny.DEFER`, for the down product's 3072 inputs), together with
+# reading the attention output's 2048 inputs in one piece (`skinny.ONE_PIECE`), took fresh's step at 4
+# rows from 1.20 to 1.16 ms <!-- from figures/data/headline.json: small_models_defer.q06_b4_run2_apart_ms, small_models_defer.q06_b4_run2_defer_ms --> on an H100, in one process. Both are on by default now; what
+# is left is the number of kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
