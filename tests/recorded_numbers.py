@@ -297,8 +297,7 @@ def small_models_fresh() -> dict:
     """The 0.6B shape's compiled decode step with q/k/v handed to the decode kernel (fresh) and that with the
     residual add and RMSNorm inside skinny.py's products under the wide rule (prenorm), against the default
     compiled step: one process for batches 1, 4 and 8, then fresh alone again at 1 and at 4 and 8; one H200."""
-    run = DATA / "runs/gpu_small_models_fresh_2026-12-05/"
-    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number: 1 all paths, 3-4 repeats
+    return _by_command("gpu_small_models_fresh_2026-12-05")
 
 
 def small_models_apart() -> dict:
@@ -306,8 +305,7 @@ def small_models_apart() -> dict:
     silu(gate) * up in the down product (glu, since removed), skinny.py's K in one piece (all), the splits
     combined inside the decode kernel (one..., since removed), against the default compiled step and fresh
     with the first split folding in the new key; one H200, one process per command."""
-    run = DATA / "runs/gpu_small_models_apart_2026-12-05/"
-    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+    return _by_command("gpu_small_models_apart_2026-12-05")
 
 
 def small_models_prefetch() -> dict:
@@ -315,16 +313,19 @@ def small_models_prefetch() -> dict:
     removed): by our kernels (ahead, early), by the attention alone (attn), by a kernel on a second stream (side,
     cside), against the default compiled step and fresh's path (apart); two H100s (commands 2 and 3) and an H200
     (command 5), one process per command."""
-    run = DATA / "runs/gpu_small_models_prefetch_2026-12-05/"
-    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+    return _by_command("gpu_small_models_prefetch_2026-12-05")
 
 
 def small_models_defer() -> dict:
     """The 0.6B shape's compiled decode step with skinny.py's K of 2048 in one piece (one) and its 2-4 rows'
     products summed once after the loop (defer), against the default compiled step and fresh's path (apart);
     one H100, one process per command."""
-    run = DATA / "runs/gpu_small_models_defer_2026-12-05/"
-    return _floor_paths(run, lambda f: "run" + f.stem.split("_")[0])  # the command's number
+    return _by_command("gpu_small_models_defer_2026-12-05")
+
+
+def _by_command(folder: str) -> dict:
+    """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
+    return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
 
 
 def _floor_paths(run: Path, stage) -> dict:
