@@ -91,10 +91,11 @@ def test_compiled_decode_steps_give_the_same_tokens():
     assert unmerged.shapes  # it compiled, through torch.compile's own Inductor backend
 
 
-def small_qwen3_run(seed, lengths=(5, 17, 9, 30)):
-    """A random Qwen3 on the GPU (float32), four prompts (of 5-30 tokens unless `lengths` says), the run's
-    options, and its eager tokens: what the tests of a compiled step's switches below compare against."""
-    model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
+def small_qwen3_run(seed, lengths=(5, 17, 9, 30), name="random-qwen3"):
+    """A random Qwen3 on the GPU (float32; `name`'s shape), four prompts (of 5-30 tokens unless `lengths`
+    says), the run's options, and its eager tokens: what the tests of a compiled step's switches below
+    compare against."""
+    model = minibatch.load_model(name, device="cuda", dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in lengths]
     kw = dict(max_new_tokens=12, max_batch_size=4, max_batch_tokens=256)
@@ -182,11 +183,7 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
     real_launch = skinny.launch
     monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a: taken.append((w.shape[1], setting))
                         or real_launch(x, w, y, setting, *a))
-    model = minibatch.load_model("qwen3-0.6b-widths", device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(16)
-    work = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30)[:rows]]
-    kw = dict(max_new_tokens=8, max_batch_size=rows, max_batch_tokens=256)
-    eager = minibatch.generate(model, work, cuda_graphs=False, **kw)
+    model, work, kw, eager = small_qwen3_run(16, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
     torch._dynamo.reset()
     compiled_runs_give(eager, model, work, kw)
     assert any(k == 2048 and s["block_k"] == 2048 for k, s in taken)

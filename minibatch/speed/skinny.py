@@ -112,10 +112,12 @@ if triton is not None:
                 x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
             if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
                 acc += tl.dot(x, tl.trans(w))
-            elif DEFER:
-                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             else:
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                if DEFER:
+                    acc3 += products
+                else:
+                    acc += tl.sum(products, axis=2)
         if DEFER:
             acc = tl.sum(acc3, axis=2)
         if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
