@@ -190,6 +190,25 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
     assert (rows > 1) == any(k == 3072 and s.get("defer") for k, s in taken)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, monkeypatch):
+    """speed/gated.py (ENABLED): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
+    the 0.6B shape's widths (float32): the eager tokens, sync and async, and the kernel took every layer's."""
+    from minibatch.model import model as model_module
+    from minibatch.speed import gated, skinny
+
+    shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
+    monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
+    monkeypatch.setattr(gated, "ENABLED", True)
+    ups = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda *a, **k: ups.append(k.get("up")) or real_launch(*a, **k))
+    model, work, kw, eager = small_qwen3_run(17, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
+    torch._dynamo.reset()
+    compiled_runs_give(eager, model, work, kw)
+    assert shape["intermediate_size"] in ups
+
+
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
     kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the

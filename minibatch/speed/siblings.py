@@ -190,11 +190,13 @@ class _Backend:
         if self.merging:
             self.merged.append(merge(gm, example_inputs))
         if self.skinny:
-            from . import prenorm, skinny
+            from . import gated, prenorm, skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
             if prenorm.ENABLED:  # (an experiment, off: prenorm.py)
                 prenorm.fuse(gm, example_inputs)
+            if gated.ENABLED:  # (an experiment, off: gated.py)
+                gated.fuse(gm, example_inputs)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

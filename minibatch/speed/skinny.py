@@ -77,10 +77,41 @@ if triton is not None:
         return (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(x.dtype)
 
     @triton.jit
+    def _glu(gate, up, dtype: tl.constexpr):
+        """(gated.py) silu(gate) * up from float32 sums: each rounded to `dtype` first, then each op rounded as
+        PyTorch's own ops on `dtype` tensors round it (silu in float32, the product in float32)."""
+        g = gate.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)
+        return act.to(tl.float32) * up.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFER: tl.constexpr):
+        """A program's sums: [rows, columns], and with DEFER the products kept apart along K (else unused)."""
+        if DEFER:
+            apart = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            apart = tl.zeros((1, 1, 1), dtype=tl.float32)
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), apart
+
+    @triton.jit
+    def _add_piece(x, w, acc, apart, DOT: tl.constexpr, DEFER: tl.constexpr):
+        """One piece of K into the sums: on tensor cores (a tile of 16 rows, those past M zeros), or plain
+        multiply-adds summed over the piece now, or (DEFER) kept apart and summed after the loop."""
+        if DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if DEFER:
+                apart += products
+            else:
+                acc += tl.sum(products, axis=2)
+        return acc, apart
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       up_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr, GATE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -88,9 +119,10 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * swn
         x_rows = x_ptr + rm[:, None] * sxm
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if DEFER:  # every product kept apart along K, summed once after the loop (not once a piece)
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc, apart = _sums(BLOCK_M, BLOCK_N, BLOCK_K, DEFER)
+        # (gated.py) the same columns of the up projection, `up_offset` elements past the gate's rows (unread
+        # without GATE: the compiler drops them)
+        acc_up, apart_up = _sums(BLOCK_M, BLOCK_N, BLOCK_K, DEFER)
         start = pid_k * pieces * BLOCK_K  # this program's range of K: `pieces` pieces of BLOCK_K
         if PDL:  # launched while the kernel before it still runs: this program's weights (which no kernel
             # writes) start streaming into L2 now; x, that kernel's output, is read only after it is done
@@ -98,6 +130,8 @@ if triton is not None:
             w_lines = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * swn
             for i in range(0, pieces):
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
+                if GATE:
+                    prefetch_l2(w_lines + up_offset + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
         if PRE:  # x is RMSNorm(x + r) (prenorm.py): the rows' 1 / rms first, from all of K
             rstd = _row_rstd(x_rows, r_ptr + rm[:, None] * srm, h_ptr + rm[:, None] * shm, rm[:, None] < M, K, eps,
@@ -110,16 +144,16 @@ if triton is not None:
             if PRE:
                 r = tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
                 x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
-            if DOT:  # tensor cores, on a tile of 16 rows (those past M are zeros)
-                acc += tl.dot(x, tl.trans(w))
-            else:
-                products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-                if DEFER:
-                    acc3 += products
-                else:
-                    acc += tl.sum(products, axis=2)
+            acc, apart = _add_piece(x, w, acc, apart, DOT, DEFER)
+            if GATE:
+                w_up = tl.load(w_rows + up_offset + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
+                acc_up, apart_up = _add_piece(x, w_up, acc_up, apart_up, DOT, DEFER)
         if DEFER:
-            acc = tl.sum(acc3, axis=2)
+            acc = tl.sum(apart, axis=2)
+            if GATE:
+                acc_up = tl.sum(apart_up, axis=2)
+        if GATE:
+            acc = _glu(acc, acc_up, y_ptr.dtype.element_ty)
         if PDL:  # the next kernel may launch now (its programs wait for this one's results); any earlier, and
             tl.extra.cuda.gdc_launch_dependents()  # they would take the places this kernel's last programs need
         out = (rm[:, None] < M) & (rn[None, :] < N)
@@ -138,9 +172,12 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None) -> None:
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None,
+           up: int | None = None) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
     `pre` (prenorm.py): (r, norm_weight, h, eps): y = RMSNorm(x + r) @ w.T, and h = x + r stored.
+    `up` (gated.py): y = silu(x @ w[:N].T) * (x @ w[up:up + N].T), N = y's columns, w [at least up + N, K]
+    (the merged gate/up weight, from the gate's first row); not with a split.
 
     `setting`: block_n (output columns per program), block_k (K per piece), warps, stages (pipelined
     pieces), split (programs along K, default 1), dot (the products on tensor cores, `tl.dot`, 16 rows a
@@ -154,14 +191,20 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
     N = w.shape[0]
     pieces = triton.cdiv(triton.cdiv(K, split), block_k)  # per split
     split = triton.cdiv(K, pieces * block_k)  # (none empty)
+    if up is not None:
+        N = y.shape[1]
+        if split > 1 or up < N or up + N > w.shape[0]:
+            raise ValueError(f"a gated product takes w's rows [0, {N}) and [{up}, {up + N}) of {w.shape[0]}, "
+                             f"without a split (split {split})")
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     r, norm_weight, h, eps = pre or (x, x, x, 0.0)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
         x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
-        h.stride(0), float(eps),
+        h.stride(0), float(eps), (up or 0) * w.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        PRE=pre is not None, DEFER=setting.get("defer", False) and not dot, num_warps=setting["warps"],
+        PRE=pre is not None, DEFER=setting.get("defer", False) and not dot, GATE=up is not None,
+        num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -188,6 +231,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     wider than 2048 columns (the 0.6B model's merged q/k/v and gate/up), run on tensor cores, 32 columns
     per program, K in pieces of 256, 4 pipeline stages (plain multiply-adds took 1.2-2x longer there).
     """
+    if EIGHT_ROWS and 4 < rows <= 8 and n <= 1024:
+        return dict(block_n=4, block_k=EIGHT_ROWS, warps=4, stages=3, defer=True)
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
     if n > widest:
         return None
@@ -212,6 +257,13 @@ ONE_PIECE = True
 #: kernel took longer a product at 4 rows than at 1. Timed faster alone at 4 rows (not at 1, so not used
 #: there) and in the 0.6B compiled step at 4 rows (BENCHMARKS.md, small models).
 DEFER = True
+
+
+#: 5-8 rows of a product of at most 1024 columns (the 0.6B attention output and down product) on the
+#: kernel, K in pieces of this many summed once after the loop (`defer`); 0: cuBLAS takes them. An experiment,
+#: off until timed in a step (floor_matrix.py --variants NAME:rows8=512): the down product of 8 rows runs on
+#: cuBLAS in two kernels (a split over K and its sum).
+EIGHT_ROWS = 0
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

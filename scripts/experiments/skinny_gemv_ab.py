@@ -9,7 +9,9 @@ pipeline stages, K splits; plain multiply-adds or tensor cores), each over as ma
 copies as the model has layers (so nothing stays in the L2 cache), in one CUDA graph per variant;
 the floor is the weights' bytes at the copy bandwidth measured here. The kernel is launched without
 programmatic dependent launch (speed/early.py), like cuBLAS's: each product starts after the last. Checks each result against
-cuBLAS's within bf16 rounding. Prints each shape's best setting and the model's products summed
+cuBLAS's within bf16 rounding. `--grid gated`: the merged gate/up product with silu(gate) * up
+inside the kernel (speed/gated.py), against cuBLAS's product followed by PyTorch's silu and product (two more
+kernels; a compiled step runs one). Prints each shape's best setting and the model's products summed
 (cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv_MODEL.json with every timing.
 """
 
@@ -49,8 +51,10 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b-shape", choices=[n for n in RANDOM_CONFIGS if "shape" in n])
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--shapes", default=None, help="the products to time, e.g. o,down (default: all)")
-    ap.add_argument("--grid", choices=["all", "defer"], default="all",
-                    help="defer: only the shipped settings and the kernel's `defer` ones (sums over K after the loop)")
+    ap.add_argument("--grid", choices=["all", "defer", "gated"], default="all",
+                    help="defer: only the shipped settings and the kernel's `defer` ones (sums over K after the loop); "
+                         "gated: the gate/up product with silu(gate) * up inside the kernel (speed/gated.py), "
+                         "against cuBLAS's product followed by PyTorch's silu and product")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("skinny_gemv_ab.py times CUDA graphs: it needs a CUDA GPU")
@@ -70,6 +74,12 @@ def main() -> None:
         grid = [dict(block_n=4, block_k=k, warps=4, stages=3, split=1) for k in (1024, 2048)] + [
             dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=True)
             for n, k, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
+    if args.grid == "gated":  # (gated.py's own settings first)
+        grid = [dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=d)
+                for n, k, w, s, d in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (1, 3), (False, True))] + [
+            dict(block_n=n, block_k=k, warps=w, stages=s, split=1, dot=True)
+            for n, k, w, s in itertools.product((16, 32), (128, 256, 512), (4, 8), (2, 4))]
+        args.shapes = "gate_up"
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     results = {"model": args.model, "copy_bandwidth": bw, "rows": rows, "layers": layers, "shapes": {},
@@ -80,25 +90,33 @@ def main() -> None:
         copies = 1 if name == "lm_head" else layers
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         per = results["shapes"][name] = {"N": N, "K": K, "copies": copies}
+        gate = args.grid == "gated"
+        out_n = N // 2 if gate else N  # (gated: the activation's columns)
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ws]
-            ref = torch.nn.functional.linear(x, ws[0]).float()
+            ys = [torch.empty(M, out_n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            both = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ws] if gate else ys
+            ref = torch.nn.functional.linear(x, ws[0])
+            ref = (torch.nn.functional.silu(ref[:, :out_n]) * ref[:, out_n:] if gate else ref).float()
 
             def cublas():
-                for w, y in zip(ws, ys):
-                    torch.mm(x, w.t(), out=y)
+                for w, y, b in zip(ws, ys, both):
+                    torch.mm(x, w.t(), out=b)
+                    if gate:
+                        torch.mul(torch.nn.functional.silu(b[:, :out_n]), b[:, out_n:], out=y)
 
             t_cublas = graph_replay_ms(cublas, 20)
             timings, t0 = [], time.perf_counter()
             for c in grid:
-                per_thread = max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] / (32 * c["warps"])
+                per_thread = (max(1, triton.next_power_of_2(M)) * c["block_n"] * c["block_k"] / (32 * c["warps"])
+                              * (2 if gate else 1))
                 if not c.get("dot") and per_thread > 256:
                     continue  # (more than 256 products per thread per piece: registers spill)
 
                 def run(c=c):
                     for w, y in zip(ws, ys):
-                        skinny.launch(x, w, y, {**c, "pdl": False})  # (each after the one before, as cuBLAS's)
+                        skinny.launch(x, w, y, {**c, "pdl": False}, up=out_n if gate else None)  # (each after
+                        # the one before, as cuBLAS's)
                 try:
                     run()
                     torch.cuda.synchronize()
@@ -117,7 +135,7 @@ def main() -> None:
                   f"cublas {t_cublas:7.3f} ms ({nbytes / t_cublas / 1e6:5.0f} GB/s)"
                   f"  triton {best_ms:7.3f} ms ({nbytes / best_ms / 1e6:5.0f} GB/s) {best}"
                   f"  [{len(timings)} settings, {time.perf_counter() - t0:.0f} s]", flush=True)
-        del ws
+        ws.clear()  # (frees the copies before the next shape's)
         torch.cuda.empty_cache()
     print("\nthe model's products per decode step (ms):")
     sh = results["shapes"]

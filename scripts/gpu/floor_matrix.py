@@ -35,7 +35,9 @@ defer=0 its products of 2-4 rows by K over 2048 summed once a piece (skinny.DEFE
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
 as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
-RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in).
+RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in), with
+gated=1 silu(gate) * up inside the gate/up product on skinny.py's kernel (speed/gated.py), with rows8=512 the
+narrow products of 5-8 rows on skinny.py's kernel, K in pieces of 512 summed once after the loop (skinny.EIGHT_ROWS).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
@@ -65,7 +67,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, prenorm, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, gated, prenorm, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -86,7 +88,7 @@ def parse_setting(text: str) -> tuple:
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
-            "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER")}
+            "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -99,10 +101,14 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
-    prenorm.ENABLED); every other name is Inductor config."""
+    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED), rows8=0/256/512
+    (skinny.EIGHT_ROWS: 5-8 rows of narrow products on skinny.py's kernel, K in pieces of that many); every
+    other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
+    if "rows8" in inductor:
+        modules[(skinny, "EIGHT_ROWS")] = int(inductor.pop("rows8"))
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -213,6 +219,9 @@ def main() -> None:
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); prenorm=1 sets speed/prenorm.py's "
                          "ENABLED")
+    ap.add_argument("--gated-settings", default=None, metavar="JSON",
+                    help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
+                         "(gated.TIMED) for every path of this run")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -224,6 +233,11 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.gated_settings:
+        timed = json.loads(Path(args.gated_settings).read_text())["shapes"]["gate_up"]
+        gated.TIMED.update({int(m): {k: v for k, v in t["config"].items() if k != "split"}
+                            for m, t in timed.items() if m.isdigit()})
+        print("gated.py's settings:", gated.TIMED, flush=True)
     model = minibatch.load_model(args.model, device="cuda")
     bandwidth = floors.measure_bandwidth(model.device)
     env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,

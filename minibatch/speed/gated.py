@@ -1,0 +1,145 @@
+"""The gated MLP's silu(gate) * up as the last step of its gate/up product's kernel (an experiment, off).
+
+Why: in a compiled decode step of a small model every layer runs one kernel between its merged gate/up
+product and its down product: silu(gate) * up, a few kilobytes per row, ~1.2 us at the 0.6B shape,
+mostly launch and ramp (28 of the step's ~270 kernels). The gate/up product runs on cuBLAS there (6144
+columns: wider than skinny.py's rule takes). skinny.py's kernel can take it with the activation inside:
+each program reads the same columns of the gate's and of the up projection's rows of the merged weight,
+sums both, and writes only the activation:
+
+    one program per block_n columns c of the output [rows, I]:
+        g = x @ W[c].T,  u = x @ W[I + c].T            (float32 sums, as skinny.py's kernel sums)
+        y[:, c] = silu(g) * u                            (each rounded as PyTorch's ops round it)
+
+Half the bytes written, one kernel fewer. (Putting the activation in the down product's kernel instead,
+where every program must compute all of it again, was slower: BENCHMARKS.md's history, `skinny.GATED`
+and `glu=1`.)
+
+`fuse(gm, example_inputs)`, a pass after skinny.route: each product (cuBLAS's `linear` or `skinny_linear`)
+whose output is only read as two slices, `silu(first) * second`, becomes one `minibatch::skinny_gated`
+call, where the graph's rows are a number (a server's compile for any row count keeps its ops). The
+operator runs the kernel where `settings` picks it for the call's rows, else the same work as PyTorch ops.
+
+Status: off (`ENABLED`) until timed in a step (scripts/gpu/floor_matrix.py --variants NAME:gated=1;
+the kernel's settings alone: scripts/experiments/skinny_gemv_ab.py --grid gated).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import skinny
+from .compat import LINEAR_TARGETS
+
+#: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
+ENABLED = False
+
+#: The most rows the kernel takes a gated product for (more stay on cuBLAS and PyTorch's ops).
+MOST_ROWS = 8
+
+
+#: Settings timed elsewhere, by row count, that take the place of `settings`' rule (floor_matrix.py
+#: --gated-settings: the best of skinny_gemv_ab.py --grid gated, for the step in the same command).
+TIMED: dict[int, dict] = {}
+
+
+def settings(rows: int, n: int, k: int) -> dict | None:
+    """skinny.py's setting for a gated product of `rows` x [2 n, k] (n outputs), or None (PyTorch's ops).
+    Each program reads 2 x block_n weight rows. Until timed (skinny_gemv_ab.py --grid gated): plain
+    multiply-adds with 1-4 rows (K in one piece up to 1024, else pieces of 512 summed after the loop),
+    tensor cores with 5-8."""
+    if not 1 <= rows <= MOST_ROWS:
+        return None
+    if rows in TIMED:
+        return dict(TIMED[rows])
+    if rows > 4:
+        return dict(block_n=16, block_k=256, warps=4, stages=4, dot=True)
+    if rows > 1 or k > 1024:
+        return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
+    return dict(block_n=4, block_k=k, warps=4, stages=3)
+
+
+@torch.library.custom_op("minibatch::skinny_gated", mutates_args=())
+def skinny_gated(x: torch.Tensor, weight: torch.Tensor, gate: int, up: int, n: int) -> torch.Tensor:
+    """silu(x @ weight[gate:gate + n].T) * (x @ weight[up:up + n].T), by skinny.py's kernel where
+    `settings` picks it, else PyTorch's ops."""
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    chosen = settings(rows, n, k) if skinny.usable(x, weight) and gate + n <= up else None
+    if chosen is None:
+        both = torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.silu(both.narrow(-1, gate, n)) * both.narrow(-1, up, n)
+    y = x.new_empty(rows, n)
+    skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen, up=up - gate)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@skinny_gated.register_fake
+def _(x, weight, gate, up, n):
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _one_reader(node, target, kind: str = "call_function") -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == kind and node.target == target
+            and len(node.users) == 1)
+
+
+def _last_columns(node) -> tuple | None:
+    """(start, length) where `node` takes columns of its input's last dimension (torch.narrow, as
+    siblings.merge writes it), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is torch.narrow
+            and len(node.users) == 1 and node.args[1] in (-1,) and all(isinstance(a, int) for a in node.args[2:])):
+        return None
+    return node.args[2], node.args[3]
+
+
+def _gated_use(product) -> tuple | None:
+    """(gate start, up start, n, the mul node, [the nodes the call replaces but `product`]) where `product`'s output is
+    read only as silu(columns [gate, gate + n)) * columns [up, up + n), else None."""
+    if len(product.users) != 2:
+        return None
+    slices = {u: _last_columns(u) for u in product.users}
+    if any(s is None for s in slices.values()):
+        return None
+    for first, (gate, n) in slices.items():
+        act = next(iter(first.users))
+        if not (_one_reader(act, torch.nn.functional.silu) and not act.kwargs.get("inplace")
+                and act.args[1:] in ((), (False,))):
+            continue
+        mul = next(iter(act.users))
+        second = next(u for u in slices if u is not first)
+        up, n_up = slices[second]
+        if (mul.op == "call_function" and mul.target is operator.mul and len(mul.args) == 2
+                and set(mul.args) == {act, second} and n_up == n and gate + n <= up):
+            return gate, up, n, mul, [mul, act, first, second]
+    return None
+
+
+def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """The pass (siblings.py's backend runs it after skinny.route when ENABLED): each gate/up product read as
+    silu(gate) * up becomes one skinny_gated call. Returns how many."""
+    fused = 0
+    targets = (*LINEAR_TARGETS, torch.ops.minibatch.skinny_linear.default)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
+            continue
+        if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
+            continue
+        x = node.args[0]
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not isinstance(skinny._rows(value), int):
+            continue  # (symbolic rows: a server's compile keeps PyTorch's ops)
+        found = _gated_use(node)
+        if found is None:
+            continue
+        gate, up, n, mul, dead = found
+        with gm.graph.inserting_before(mul):
+            call = gm.graph.call_function(torch.ops.minibatch.skinny_gated.default, (x, node.args[1], gate, up, n))
+        call.meta.update(mul.meta)
+        mul.replace_all_uses_with(call)
+        for d in [*dead, node]:
+            gm.graph.erase_node(d)
+        fused += 1
+    return skinny.recompiled(gm, fused)

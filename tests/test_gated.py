@@ -1,0 +1,108 @@
+"""silu(gate) * up inside skinny.py's gate/up product (speed/gated.py).
+
+On the CPU (CI): the graph pass on a compiled decode step (the operator then runs PyTorch ops) against
+the eager step, and the operator's PyTorch path. With Triton (a GPU, or its interpreter: TRITON_INTERPRET=1
+set before pytest starts): the kernel's gated epilogue against PyTorch's ops.
+"""
+
+import os
+
+import pytest
+import torch
+
+import minibatch
+from decode_tables import decode_batch
+from minibatch.speed import gated, siblings, skinny
+from minibatch.speed.compat import inductor_compile
+
+KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.mark.parametrize("name", ["random-qwen3", "random-llama"])
+def test_the_pass_fuses_every_gated_mlp_and_keeps_the_logits(name):
+    """Every layer's merged gate/up product read as silu(gate) * up becomes one skinny_gated call, and no
+    silu is left; the logits are the eager step's (float32, to rounding)."""
+    model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    fused = []
+
+    def backend(gm, example_inputs):
+        siblings.merge(gm, example_inputs)
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        fused.append(gated.fuse(gm, example_inputs))
+        targets = [n.target for n in gm.graph.nodes]
+        assert targets.count(torch.ops.minibatch.skinny_gated.default) == fused[-1]
+        assert torch.nn.functional.silu not in targets
+        return inductor_compile(gm, example_inputs, None, ())
+
+    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim)
+    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        want = model._forward(batch, cache)
+        got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
+    assert fused == [model.num_layers]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_pass_leaves_a_product_read_otherwise():
+    """A product whose slices are read other than silu(first) * second (here: also added) stays as it is."""
+    w = torch.randn(8, 4)
+
+    def f(x):
+        both = torch.nn.functional.linear(x, w)
+        g, u = torch.narrow(both, -1, 0, 4), torch.narrow(both, -1, 4, 4)
+        return torch.nn.functional.silu(g) * u + both.sum()
+
+    gm = torch.fx.symbolic_trace(f)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = torch.randn(2, 4)
+    assert gated.fuse(gm, [torch.randn(2, 4)]) == 0
+
+
+def test_the_operator_without_the_kernel_is_pytorchs_ops():
+    """Where the kernel does not run (here: a CPU tensor), the operator is F.linear, silu and a product, bit
+    for bit, whichever rows of the weight are the gate's and the up projection's."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    both = torch.nn.functional.linear(x, w)
+    y = gated.skinny_gated(x, w, 4, 20, 16)
+    assert torch.equal(y, torch.nn.functional.silu(both[:, 4:20]) * both[:, 20:36])
+
+
+def test_the_settings_cover_one_to_eight_rows_only():
+    assert gated.settings(0, 3072, 1024) is None and gated.settings(gated.MOST_ROWS + 1, 3072, 1024) is None
+    assert all(gated.settings(r, 3072, 1024) for r in range(1, gated.MOST_ROWS + 1))
+
+
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("setting", [
+    dict(block_n=4, block_k=64, warps=4, stages=3),
+    dict(block_n=4, block_k=64, warps=4, stages=3, defer=True),
+    dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
+], ids=["plain", "defer", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's dot has no bfloat16)
+def test_the_kernel_gates_as_pytorchs_ops_do(rows, setting, dtype):
+    """launch with `up` against silu(x @ gate.T) * (x @ up.T), the gate's and the up projection's rows apart
+    by more than the output's width, K not a multiple of the piece, N not of the columns per program."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(130, 200, generator=g) / 10).to(DEVICE, dtype)
+    y = torch.empty(rows, 50, device=DEVICE, dtype=dtype)
+    skinny.launch(x, w[3:], y, setting, up=70)
+    want = torch.nn.functional.silu(x.float() @ w[3:53].float().T) * (x.float() @ w[73:123].float().T)
+    tol = 2e-2 if dtype == torch.float16 or (setting.get("dot") and DEVICE == "cuda") else 1e-4
+    torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+def test_a_gated_launch_refuses_overlapping_rows_and_splits():
+    x, w = torch.randn(2, 64, device=DEVICE), torch.randn(40, 64, device=DEVICE)
+    y = torch.empty(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="gated product"):
+        skinny.launch(x, w, y, dict(block_n=4, block_k=32, warps=4, stages=1), up=8)
+    with pytest.raises(ValueError, match="without a split"):
+        skinny.launch(x, w, y, dict(block_n=4, block_k=16, warps=4, stages=1, split=2), up=16)
