@@ -242,7 +242,8 @@ def main() -> None:
     bandwidth = floors.measure_bandwidth(model.device)
     env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
            "command": "python3 scripts/gpu/floor_matrix.py " + " ".join(sys.argv[1:]), "compile_mode": args.compile_mode,
-           "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention}
+           "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention,
+           "gated_settings": {str(m): c for m, c in gated.TIMED.items()}}
     print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
     paths = {"default": None}
