@@ -75,10 +75,10 @@ def main() -> None:
             dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=True)
             for n, k, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
     if args.grid == "gated":  # (gated.py's own settings first)
-        grid = [dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=d)
-                for n, k, w, s, d in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (1, 3), (False, True))] + [
-            dict(block_n=n, block_k=k, warps=w, stages=s, split=1, dot=True)
-            for n, k, w, s in itertools.product((16, 32), (128, 256, 512), (4, 8), (2, 4))]
+        grid = [dict(block_n=n, block_k=k, warps=w, stages=3, split=1, defer=d)
+                for n, k, w, d in itertools.product((4, 8), (512, 1024), (4, 8), (False, True))] + [
+            dict(block_n=n, block_k=k, warps=4, stages=s, split=1, dot=True)
+            for n, k, s in itertools.product((16, 32), (256, 512), (2, 4))]
         args.shapes = "gate_up"
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
