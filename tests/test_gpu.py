@@ -181,8 +181,8 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
     taken = []
     real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a: taken.append((w.shape[1], setting))
-                        or real_launch(x, w, y, setting, *a))
+    monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a, **k: taken.append((w.shape[1], setting))
+                        or real_launch(x, w, y, setting, *a, **k))
     model, work, kw, eager = small_qwen3_run(16, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
     torch._dynamo.reset()
     compiled_runs_give(eager, model, work, kw)
@@ -192,7 +192,7 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, monkeypatch):
-    """speed/gated.py (ENABLED): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
+    """speed/gated.py (ENABLED, the default): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
     the 0.6B shape's widths (float32): the eager tokens, sync and async, and the kernel took every layer's."""
     from minibatch.model import model as model_module
     from minibatch.speed import gated, skinny
@@ -237,6 +237,9 @@ def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(
     (float32); sync and async agree; with skinny=False the kernel never runs and the tokens are the same."""
     from minibatch.speed import skinny
 
+    from minibatch.speed import gated
+
+    monkeypatch.setattr(gated, "ENABLED", False)  # (the gate/up product stays a plain one: tests/test_gated.py)
     launches = []
     real_launch = skinny.launch
     monkeypatch.setattr(skinny, "launch", lambda *a: launches.append(a[3]) or real_launch(*a))
@@ -279,7 +282,7 @@ def test_kernels_launched_early_give_the_same_tokens(monkeypatch):
         pytest.skip("this torch's Inductor has no triton.enable_pdl")
     launched_early = []
     real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda *a: launched_early.append(early.wanted()) or real_launch(*a))
+    monkeypatch.setattr(skinny, "launch", lambda *a, **k: launched_early.append(early.wanted()) or real_launch(*a, **k))
     model = minibatch.load_model("random-qwen3", device="cuda", dtype=torch.float32)
     assert model.decode_attention == "triton"
     g = torch.Generator().manual_seed(7)

@@ -1,4 +1,4 @@
-"""The gated MLP's silu(gate) * up as the last step of its gate/up product's kernel (an experiment, off).
+"""The gated MLP's silu(gate) * up as the last step of its gate/up product's kernel (small models).
 
 Why: in a compiled decode step of a small model every layer runs one kernel between its merged gate/up
 product and its down product: silu(gate) * up, a few kilobytes per row, ~1.2 us at the 0.6B shape,
@@ -20,8 +20,10 @@ whose output is only read as two slices, `silu(first) * second`, becomes one `mi
 call, where the graph's rows are a number (a server's compile for any row count keeps its ops). The
 operator runs the kernel where `settings` picks it for the call's rows, else the same work as PyTorch ops.
 
-Status: off (`ENABLED`) until timed in a step (scripts/gpu/floor_matrix.py --variants NAME:gated=1;
-the kernel's settings alone: scripts/experiments/skinny_gemv_ab.py --grid gated).
+Where it applies (`settings`): 1-8 rows of a gate/up product of at most 3072 outputs by 1024 inputs, the
+0.6B shape's, where it was timed (BENCHMARKS.md, small models; the kernel's settings alone:
+scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
+NAME:gated=0). Larger models keep cuBLAS and Inductor's activation kernel.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from . import skinny
 from .compat import LINEAR_TARGETS
 
 #: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
-ENABLED = False
+ENABLED = True
+
+#: The widest gate/up product (outputs, inputs) the kernel takes: the one it was timed on.
+WIDEST, DEEPEST = 3072, 1024
 
 #: The most rows the kernel takes a gated product for (more stay on cuBLAS and PyTorch's ops).
 MOST_ROWS = 8
@@ -47,17 +52,17 @@ TIMED: dict[int, dict] = {}
 
 def settings(rows: int, n: int, k: int) -> dict | None:
     """skinny.py's setting for a gated product of `rows` x [2 n, k] (n outputs), or None (PyTorch's ops).
-    Each program reads 2 x block_n weight rows. Until timed (skinny_gemv_ab.py --grid gated): plain
-    multiply-adds with 1-4 rows (K in one piece up to 1024, else pieces of 512 summed after the loop),
-    tensor cores with 5-8."""
+    Each program reads 2 x block_n weight rows. The fastest alone at the 0.6B shape
+    (skinny_gemv_ab.py --grid gated, an H100): one row, plain multiply-adds, 4 columns a program, K in one
+    piece; 2-8 rows, tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline stages."""
     if not 1 <= rows <= MOST_ROWS:
         return None
     if rows in TIMED:
         return dict(TIMED[rows])
-    if rows > 4:
-        return dict(block_n=16, block_k=256, warps=4, stages=4, dot=True)
-    if rows > 1 or k > 1024:
-        return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
+    if n > WIDEST or k > DEEPEST:
+        return None
+    if rows > 1:
+        return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
     return dict(block_n=4, block_k=k, warps=4, stages=3)
 
 
