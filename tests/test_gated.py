@@ -72,9 +72,11 @@ def test_the_operator_without_the_kernel_is_pytorchs_ops():
     assert torch.equal(y, torch.nn.functional.silu(both[:, 4:20]) * both[:, 20:36])
 
 
-def test_the_settings_cover_one_to_eight_rows_of_the_timed_shape_only():
-    """1-8 rows of the 0.6B shape's gate/up (3072 outputs by 1024 inputs); more rows, or the 1B and 8B
-    shapes' wider products, stay on cuBLAS."""
+def test_the_settings_cover_the_timed_shape_only(monkeypatch):
+    """One row of the 0.6B shape's gate/up (3072 outputs by 1024 inputs), 1-8 with MANY_ROWS; more rows, or
+    the 1B and 8B shapes' wider products, stay on cuBLAS."""
+    assert gated.settings(1, 3072, 1024) and not any(gated.settings(r, 3072, 1024) for r in (0, 2, 4, 8))
+    monkeypatch.setattr(gated, "MANY_ROWS", True)
     assert gated.settings(0, 3072, 1024) is None and gated.settings(gated.MOST_ROWS + 1, 3072, 1024) is None
     assert all(gated.settings(r, 3072, 1024) for r in range(1, gated.MOST_ROWS + 1))
     assert gated.settings(1, 8192, 2048) is None and gated.settings(4, 14336, 4096) is None

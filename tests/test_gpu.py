@@ -192,7 +192,7 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, monkeypatch):
-    """speed/gated.py (ENABLED, the default): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
+    """speed/gated.py (ENABLED, the default; MANY_ROWS): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
     the 0.6B shape's widths (float32): the eager tokens, sync and async, and the kernel took every layer's."""
     from minibatch.model import model as model_module
     from minibatch.speed import gated, skinny
@@ -200,6 +200,7 @@ def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, mon
     shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
     monkeypatch.setattr(gated, "ENABLED", True)
+    monkeypatch.setattr(gated, "MANY_ROWS", True)  # (2-8 rows: on tensor cores, float32 tiles in 2 stages)
     ups = []
     real_launch = skinny.launch
     monkeypatch.setattr(skinny, "launch", lambda *a, **k: ups.append(k.get("up")) or real_launch(*a, **k))

@@ -125,9 +125,9 @@ def test_a_compiled_decode_step_with_a_wide_vocabulary_gives_the_eager_tokens():
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
                     reason="Inductor compiles C++ on a CPU")
-def test_a_symbolic_row_count_keeps_the_split(monkeypatch):
-    """A compile whose row count is symbolic (a server's `compile="dynamic"` sampler): the vocabulary is still
-    static, so the argmax is still cut into pieces, and every row count gets argmax's index."""
+def test_a_symbolic_row_count_keeps_one_argmax(monkeypatch):
+    """A compile whose row count is symbolic (a server's `compile="dynamic"` sampler) keeps argmax as it is
+    (the module's docstring says why), and every row count gets argmax's index."""
     x = rows_with_ties_and_nan()
     backend = siblings.backend("cpu-argmax-rows-test")
     backend.mode = None
@@ -137,4 +137,4 @@ def test_a_symbolic_row_count_keeps_the_split(monkeypatch):
         part = x[:rows].clone()
         torch._dynamo.mark_dynamic(part, 0)  # (as CompiledStep marks a dynamic-row batch's logits)
         assert torch.equal(fn(part), x[:rows].argmax(dim=-1)), f"{rows} rows"
-    assert backend.argmaxes == [1]  # one compile served every row count, and it split the argmax
+    assert backend.argmaxes == [0]  # one compile served every row count, and it kept the argmax

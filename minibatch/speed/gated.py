@@ -20,10 +20,11 @@ whose output is only read as two slices, `silu(first) * second`, becomes one `mi
 call, where the graph's rows are a number (a server's compile for any row count keeps its ops). The
 operator runs the kernel where `settings` picks it for the call's rows, else the same work as PyTorch ops.
 
-Where it applies (`settings`): 1-8 rows of a gate/up product of at most 3072 outputs by 1024 inputs, the
+Where it applies (`settings`): one row of a gate/up product of at most 3072 outputs by 1024 inputs, the
 0.6B shape's, where it was timed (BENCHMARKS.md, small models; the kernel's settings alone:
 scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
-NAME:gated=0). Larger models keep cuBLAS and Inductor's activation kernel.
+NAME:gated=0). 2-8 rows on tensor cores (`MANY_ROWS`) were 1-2% faster in the step too, but wait for their
+GPU token test; larger models keep cuBLAS and Inductor's activation kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ WIDEST, DEEPEST = 3072, 1024
 #: The most rows the kernel takes a gated product for (more stay on cuBLAS and PyTorch's ops).
 MOST_ROWS = 8
 
+#: Whether 2-8 rows take the kernel too (tensor cores); off, only one row does.
+MANY_ROWS = False
+
 
 #: Settings timed elsewhere, by row count, that take the place of `settings`' rule (floor_matrix.py
 #: --gated-settings: the best of skinny_gemv_ab.py --grid gated, for the step in the same command).
@@ -59,7 +63,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return None
     if rows in TIMED:
         return dict(TIMED[rows])
-    if n > WIDEST or k > DEEPEST:
+    if n > WIDEST or k > DEEPEST or (rows > 1 and not MANY_ROWS):
         return None
     if rows > 1:
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
@@ -76,6 +80,8 @@ def skinny_gated(x: torch.Tensor, weight: torch.Tensor, gate: int, up: int, n: i
     if chosen is None:
         both = torch.nn.functional.linear(x, weight)
         return torch.nn.functional.silu(both.narrow(-1, gate, n)) * both.narrow(-1, up, n)
+    if chosen.get("dot") and x.element_size() > 2:  # (float32 tiles: 4 stages would need more shared
+        chosen = {**chosen, "stages": 2}  # memory than an H100's SM has)
     y = x.new_empty(rows, n)
     skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen, up=up - gate)
     return y.reshape(*x.shape[:-1], n)

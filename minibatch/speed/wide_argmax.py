@@ -15,10 +15,15 @@ The same token as `argmax`, bit for bit, ties and NaN included: `max` and `argma
 first index of the largest value (NaN counting as the largest), so the first piece that holds it, and
 its first position there, is the first position in the row.
 
-`split(gm, example_inputs)` rewrites every `argmax` over the last dimension of a tensor whose last
-size is static and at least `SHORTEST` and has a divisor `width` between 1,024 and 8,192 (a
+`split(gm, example_inputs)` rewrites every `argmax` over the last dimension of a tensor whose sizes are
+all static, the last at least `SHORTEST` and with a divisor `width` between 1,024 and 8,192 (a
 vocabulary without one keeps its argmax). siblings.py's backend runs it on every compiled graph, with
 `ENABLED` (on by default).
+
+Why not with a symbolic row count (a server's compile for any batch): there torch 2.11's Inductor fused
+a seeded sampler's random numbers into the pieces' kernel and wrote their index arithmetic in 32 bits,
+which a 128,256-entry vocabulary overflows (the Triton compile failed: the dynamic-rows sampling test in
+tests/test_gpu.py). Static-row steps, where the split was timed, keep it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def _last_dim_argmax(node: torch.fx.Node) -> torch.fx.Node | None:
     value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
     if keepdim or not isinstance(value, torch.Tensor) or value.dim() < 1 or not isinstance(dim, int):
         return None
+    if not all(isinstance(size, int) for size in value.shape):
+        return None  # (a symbolic size: see the module's docstring)
     return x if dim in (-1, value.dim() - 1) else None
 
 

@@ -36,7 +36,7 @@ carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v hand
 as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
 RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in), with
-gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default), with rows8=512 the
+gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at one row; gated_rows=1 at 2-8 rows too), with rows8=512 the
 narrow products of 5-8 rows on skinny.py's kernel, K in pieces of 512 summed once after the loop (skinny.EIGHT_ROWS).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
@@ -88,7 +88,8 @@ def parse_setting(text: str) -> tuple:
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
-            "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED")}
+            "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
+            "gated_rows": (gated, "MANY_ROWS")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -101,7 +102,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
-    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default), rows8=0/256/512
+    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=1: at 2-8 rows too, gated.MANY_ROWS), rows8=0/256/512
     (skinny.EIGHT_ROWS: 5-8 rows of narrow products on skinny.py's kernel, K in pieces of that many); every
     other name is Inductor config."""
     label, _, changes = spec.partition(":")
