@@ -323,6 +323,20 @@ def small_models_defer() -> dict:
     return _by_command("gpu_small_models_defer_2026-12-05")
 
 
+def small_models_gated() -> dict:
+    """silu(gate) * up inside skinny.py's gate/up product (gated.py): the product alone against cuBLAS's and
+    PyTorch's activation ops (ab_gated_m{rows}_...), and the 0.6B compiled step with it (gated) or without it
+    (ungated), with fresh's path (apart), q/k/v on the kernel at one row too (wide), 5-8 rows of the narrow
+    products on it (rows8); one H100 for commands 1-2, another for command 3."""
+    run = "gpu_small_models_gated_2026-12-05"
+    out = _by_command(run)
+    gate_up = json.loads((DATA / "runs" / run / "2_skinny_gemv_gated_qwen3-0.6b-shape.json").read_text())["shapes"]
+    for rows, t in gate_up["gate_up"].items():
+        if rows.isdigit():
+            out[f"ab_gated_m{rows}_cublas_ms"], out[f"ab_gated_m{rows}_kernel_ms"] = t["cublas_ms"], t["triton_ms"]
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -376,7 +390,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
-            "small_models_defer": small_models_defer}
+            "small_models_defer": small_models_defer, "small_models_gated": small_models_gated}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -429,7 +443,11 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "2_floor_matrix_qwen3-0.6b-shape_b1_4", "3_floor_matrix_qwen3-0.6b-shape_b8_1_4",
                "5_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
            "small_models_defer": [f"figures/data/runs/gpu_small_models_defer_2026-12-05/{f}.json" for f in (
-               "2_floor_matrix_qwen3-0.6b-shape_b4", "3_floor_matrix_qwen3-0.6b-shape_b1")]}
+               "2_floor_matrix_qwen3-0.6b-shape_b4", "3_floor_matrix_qwen3-0.6b-shape_b1")],
+           "small_models_gated": [f"figures/data/runs/gpu_small_models_gated_2026-12-05/{f}.json" for f in (
+               "2_skinny_gemv_gated_qwen3-0.6b-shape", "3_floor_matrix_qwen3-0.6b-shape_b4",
+               "5_floor_matrix_qwen3-0.6b-shape_b8", "6_floor_matrix_qwen3-0.6b-shape_b1",
+               "8_floor_matrix_qwen3-0.6b-shape_b1_4")]}
 
 
 def derive() -> dict:

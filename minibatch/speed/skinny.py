@@ -231,8 +231,6 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     wider than 2048 columns (the 0.6B model's merged q/k/v and gate/up), run on tensor cores, 32 columns
     per program, K in pieces of 256, 4 pipeline stages (plain multiply-adds took 1.2-2x longer there).
     """
-    if EIGHT_ROWS and 4 < rows <= 8 and n <= 1024:
-        return dict(block_n=4, block_k=EIGHT_ROWS, warps=4, stages=3, defer=True)
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
     if n > widest:
         return None
@@ -257,13 +255,6 @@ ONE_PIECE = True
 #: kernel took longer a product at 4 rows than at 1. Timed faster alone at 4 rows (not at 1, so not used
 #: there) and in the 0.6B compiled step at 4 rows (BENCHMARKS.md, small models).
 DEFER = True
-
-
-#: 5-8 rows of a product of at most 1024 columns (the 0.6B attention output and down product) on the
-#: kernel, K in pieces of this many summed once after the loop (`defer`); 0: cuBLAS takes them. An experiment,
-#: off until timed in a step (floor_matrix.py --variants NAME:rows8=512): the down product of 8 rows runs on
-#: cuBLAS in two kernels (a split over K and its sum).
-EIGHT_ROWS = 0
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the
