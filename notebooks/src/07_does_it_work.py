@@ -728,8 +728,18 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # and with four rows that sum has four times as many outputs. Keeping the products apart in registers
 # and summing once after the loop (`skinny.DEFER`, for the down product's 3072 inputs), together with
 # reading the attention output's 2048 inputs in one piece (`skinny.ONE_PIECE`), took fresh's step at 4
-# rows from 1.20 to 1.16 ms <!-- from figures/data/headline.json: small_models_defer.q06_b4_run2_apart_ms, small_models_defer.q06_b4_run2_defer_ms --> on an H100, in one process. Both are on by default now; what
-# is left is the number of kernels itself.
+# rows from 1.20 to 1.16 ms <!-- from figures/data/headline.json: small_models_defer.q06_b4_run2_apart_ms, small_models_defer.q06_b4_run2_defer_ms --> on an H100, in one process. Both are on by default now.
+#
+# The last small kernel between two products is the MLP's activation, silu(gate) * up. Moving it into
+# the down product had failed (every program had to compute all of it again), so it goes the other way:
+# into the gate/up product (`minibatch/speed/gated.py`). Each program of our kernel reads the same output
+# columns from the gate's rows and from the up projection's rows of the merged weight, keeps both sums,
+# and writes only silu(gate) * up, rounded the way PyTorch's own two ops round it. Alone, the 28 gated
+# products of a one-row step took 0.18 ms against 0.26 ms <!-- from figures/data/headline.json: small_models_gated.ab_gated_m1_kernel_ms, small_models_gated.ab_gated_m1_cublas_ms --> for cuBLAS's products plus the activation;
+# in the default compiled step one row went from 1.04 to 1.00 ms <!-- from figures/data/headline.json: small_models_gated.q06_b1_run8_ungated_ms, small_models_gated.q06_b1_run8_compile_ms --> on an H100. With four rows the gated
+# kernel (on tensor cores) was slower than cuBLAS's product inside the step and won only the kernel it
+# removed (1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_gated.q06_b4_run8_ungated_ms, small_models_gated.q06_b4_run8_compile_ms -->), so by default it takes one row. What is left is the number of
+# kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
