@@ -31,6 +31,10 @@
 #              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
 #              speed/prenorm.py, off); and those with the carry-over as one compiled kernel (carry=1, off; the
 #              2048-input product in one piece, one_piece=1, is the default now); not in the default list
+#   gated      the 0.6B shape's gate/up product with silu(gate) * up inside (speed/gated.py) alone against
+#              cuBLAS (experiments/skinny_gemv_ab.py --grid gated), and the compiled step at batches 1, 4 and 8
+#              without it (gated=0), with it at 2-8 rows too (gated_rows=1), and with fresh's path; not in the
+#              default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -93,6 +97,11 @@ for s in $sections; do
                     "all:fresh=1,$wide,prenorm=1,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
                 tail -8 "$out/$s/floor_b$b.log"
               done ;;
+    gated) python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --rows 1,4,8 --grid gated > "$out/$s/gated_ab.log" 2>&1
+           tail -5 "$out/$s/gated_ab.log"
+           python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
+               --kernels top --variants "ungated:gated=0" "rows:gated_rows=1" "fresh:fresh=1,gated_rows=1" \
+               > "$out/$s/floor.log" 2>&1; grep -A6 "^ \+[148] \+512" "$out/$s/floor.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
