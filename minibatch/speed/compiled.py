@@ -74,7 +74,8 @@ class CompiledStep:
     later, the step's kernels launch early (early.py: Inductor's, and ours inside its calls; `inductor`
     adds or overrides Inductor config): the arithmetic is the same, so are the bits. With static rows on
     a GPU, Inductor also launches independent small kernels together where that times faster (COMBO), and
-    in every compiled step the argmax over the vocabulary runs in two steps (wide_argmax.py, same token).
+    in every static-row compiled step the argmax over the vocabulary runs in two steps (wide_argmax.py,
+    same token).
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row

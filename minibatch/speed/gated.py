@@ -17,14 +17,15 @@ and `glu=1`.)
 
 `fuse(gm, example_inputs)`, a pass after skinny.route: each product (cuBLAS's `linear` or `skinny_linear`)
 whose output is only read as two slices, `silu(first) * second`, becomes one `minibatch::skinny_gated`
-call, where the graph's rows are a number (a server's compile for any row count keeps its ops). The
-operator runs the kernel where `settings` picks it for the call's rows, else the same work as PyTorch ops.
+call, where the graph's rows are a number and `settings` picks the kernel for them (elsewhere, a server's
+compile for any row count included, the graph keeps its ops, which Inductor fuses as before). The operator
+runs the kernel where it can (a CUDA tensor, with Triton), else the same work as PyTorch ops.
 
 Where it applies (`settings`): one row of a gate/up product of at most 3072 outputs by 1024 inputs, the
 0.6B shape's, where it was timed (BENCHMARKS.md, small models; the kernel's settings alone:
 scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
 NAME:gated=0). 2-8 rows on tensor cores (`MANY_ROWS`) were 1-2% faster in the step too, but wait for their
-GPU token test; larger models keep cuBLAS and Inductor's activation kernel.
+GPU token test; larger models, and other row counts, keep cuBLAS and Inductor's activation kernel.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ MOST_ROWS = 8
 MANY_ROWS = False
 
 
-#: Settings timed elsewhere, by row count, that take the place of `settings`' rule (floor_matrix.py
-#: --gated-settings: the best of skinny_gemv_ab.py --grid gated, for the step in the same command).
+#: Settings timed elsewhere, by row count, that take the place of `settings`' whole rule, MANY_ROWS and
+#: the shape limits included (floor_matrix.py --gated-settings: the best of skinny_gemv_ab.py --grid gated,
+#: for the 0.6B step in the same command).
 TIMED: dict[int, dict] = {}
 
 
@@ -58,7 +60,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     """skinny.py's setting for a gated product of `rows` x [2 n, k] (n outputs), or None (PyTorch's ops).
     Each program reads 2 x block_n weight rows. The fastest alone at the 0.6B shape
     (skinny_gemv_ab.py --grid gated, an H100): one row, plain multiply-adds, 4 columns a program, K in one
-    piece; 2-8 rows, tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline stages."""
+    piece; 2-8 rows (only with MANY_ROWS), tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline
+    stages (2 for float32: the operator). TIMED, where it has the row count, takes the place of all this."""
     if not 1 <= rows <= MOST_ROWS:
         return None
     if rows in TIMED:
@@ -67,7 +70,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return None
     if rows > 1:
         return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
-    return dict(block_n=4, block_k=k, warps=4, stages=3)
+    return dict(block_n=4, block_k=1 << (k - 1).bit_length(), warps=4, stages=3)  # (a power of 2: the K mask
+    # covers the rest)
 
 
 @torch.library.custom_op("minibatch::skinny_gated", mutates_args=())
@@ -101,7 +105,8 @@ def _last_columns(node) -> tuple | None:
     """(start, length) where `node` takes columns of its input's last dimension (torch.narrow, as
     siblings.merge writes it), else None."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is torch.narrow
-            and len(node.users) == 1 and node.args[1] in (-1,) and all(isinstance(a, int) for a in node.args[2:])):
+            and len(node.users) == 1 and len(node.args) == 4 and not node.kwargs and node.args[1] == -1
+            and all(isinstance(a, int) for a in node.args[2:])):
         return None
     return node.args[2], node.args[3]
 
@@ -140,11 +145,12 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
             continue
         x = node.args[0]
         value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor) or not isinstance(skinny._rows(value), int):
+        rows = skinny._rows(value) if isinstance(value, torch.Tensor) else None
+        if not isinstance(rows, int):
             continue  # (symbolic rows: a server's compile keeps PyTorch's ops)
         found = _gated_use(node)
-        if found is None:
-            continue
+        if found is None or settings(rows, found[2], value.shape[-1]) is None:
+            continue  # (where the kernel would not run, Inductor's fused activation is the better fallback)
         gate, up, n, mul, dead = found
         with gm.graph.inserting_before(mul):
             call = gm.graph.call_function(torch.ops.minibatch.skinny_gated.default, (x, node.args[1], gate, up, n))

@@ -94,11 +94,15 @@ if triton is not None:
         return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), apart
 
     @triton.jit
-    def _add_piece(x, w, acc, apart, DOT: tl.constexpr, DEFER: tl.constexpr):
-        """One piece of K into the sums: on tensor cores (a tile of 16 rows, those past M zeros), or plain
-        multiply-adds summed over the piece now, or (DEFER) kept apart and summed after the loop."""
+    def _add_piece(x, w, acc, apart, DOT: tl.constexpr, DEFER: tl.constexpr, IEEE: tl.constexpr):
+        """One piece of K into the sums: on tensor cores (a tile of 16 rows, those past M zeros; float32 in
+        full precision with IEEE, as cuBLAS's float32 products, not TF32), or plain multiply-adds summed over
+        the piece now, or (DEFER) kept apart and summed after the loop."""
         if DOT:
-            acc += tl.dot(x, tl.trans(w))
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
         else:
             products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             if DEFER:
@@ -111,7 +115,8 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
                        up_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr, GATE: tl.constexpr):
+                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr, GATE: tl.constexpr,
+                       IEEE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -144,10 +149,10 @@ if triton is not None:
             if PRE:
                 r = tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
                 x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
-            acc, apart = _add_piece(x, w, acc, apart, DOT, DEFER)
+            acc, apart = _add_piece(x, w, acc, apart, DOT, DEFER, IEEE)
             if GATE:
                 w_up = tl.load(w_rows + up_offset + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
-                acc_up, apart_up = _add_piece(x, w_up, acc_up, apart_up, DOT, DEFER)
+                acc_up, apart_up = _add_piece(x, w_up, acc_up, apart_up, DOT, DEFER, IEEE)
         if DEFER:
             acc = tl.sum(apart, axis=2)
             if GATE:
@@ -204,7 +209,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
         PRE=pre is not None, DEFER=setting.get("defer", False) and not dot, GATE=up is not None,
-        num_warps=setting["warps"],
+        IEEE=x.dtype == torch.float32, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
