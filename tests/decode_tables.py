@@ -26,3 +26,24 @@ def decode_batch(ctx_lens, layers=1, kv_heads=2, dim=16, dtype=torch.float32, de
     for t in (*cache.keys, *cache.values):
         t.copy_(torch.randn_like(t))
     return cache, batch
+
+
+def compiled_and_eager(model, graph_pass, ctx_lens=(5, 11, 3)):
+    """One decode step of `model` (its weights stacked: siblings.pack) run eagerly, and compiled through a
+    backend that runs siblings.merge, then `graph_pass(gm, example_inputs)`, then Inductor, on an equal
+    cache: (compiled logits, eager logits, the compiled step's cache, the eager step's cache)."""
+    from minibatch.speed import siblings
+    from minibatch.speed.compat import inductor_compile
+
+    def backend(gm, example_inputs):
+        siblings.merge(gm, example_inputs)
+        graph_pass(gm, example_inputs)
+        return inductor_compile(gm, example_inputs, None, ())
+
+    shape = (list(ctx_lens), model.num_layers, model.num_kv_heads, model.head_dim)
+    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        want = model._forward(batch, cache)
+        got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
+    return got, want, twin, cache

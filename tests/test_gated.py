@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import minibatch
-from decode_tables import decode_batch
+from decode_tables import compiled_and_eager
 from minibatch.speed import gated, siblings, skinny
-from minibatch.speed.compat import inductor_compile
 
 KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -29,21 +28,14 @@ def test_the_pass_fuses_every_gated_mlp_and_keeps_the_logits(name, monkeypatch):
     siblings.pack(model.hf)
     fused = []
 
-    def backend(gm, example_inputs):
-        siblings.merge(gm, example_inputs)
+    def fuse(gm, example_inputs):
         skinny.route(gm, example_inputs, on_cuda_only=False)
         fused.append(gated.fuse(gm, example_inputs))
         targets = [n.target for n in gm.graph.nodes]
         assert targets.count(torch.ops.minibatch.skinny_gated.default) == fused[-1]
         assert torch.nn.functional.silu not in targets
-        return inductor_compile(gm, example_inputs, None, ())
 
-    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim)
-    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        want = model._forward(batch, cache)
-        got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
+    got, want = compiled_and_eager(model, fuse)[:2]
     assert fused == [model.num_layers]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -55,16 +47,11 @@ def test_the_pass_leaves_rows_the_kernel_would_not_take():
     siblings.pack(model.hf)
     fused = []
 
-    def backend(gm, example_inputs):
-        siblings.merge(gm, example_inputs)
+    def fuse(gm, example_inputs):
         fused.append(gated.fuse(gm, example_inputs))
         assert torch.nn.functional.silu in [n.target for n in gm.graph.nodes]
-        return inductor_compile(gm, example_inputs, None, ())
 
-    cache, batch = decode_batch([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        torch.compile(model._forward, backend=backend, fullgraph=True)(batch, cache)
+    compiled_and_eager(model, fuse)
     assert fused == [0]
 
 

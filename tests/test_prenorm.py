@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import minibatch
-from decode_tables import decode_batch
+from decode_tables import compiled_and_eager
 from minibatch.speed import prenorm, siblings, skinny
-from minibatch.speed.compat import inductor_compile
 
 KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -28,21 +27,14 @@ def test_the_pass_fuses_every_norm_of_a_sum_and_keeps_the_logits(name):
     siblings.pack(model.hf)
     fused = []
 
-    def backend(gm, example_inputs):
-        siblings.merge(gm, example_inputs)
+    def fuse(gm, example_inputs):
         skinny.route(gm, example_inputs, on_cuda_only=False)
         fused.append(prenorm.fuse(gm, example_inputs))
         targets = [n.target for n in gm.graph.nodes]
         assert targets.count(torch.ops.minibatch.skinny_norm_linear.default) == fused[-1]
         assert torch.rsqrt in targets  # (the first layer's input norm stays)
-        return inductor_compile(gm, example_inputs, None, ())
 
-    shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim)
-    (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        want = model._forward(batch, cache)
-        got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
+    got, want, twin, cache = compiled_and_eager(model, fuse)
     assert fused == [2 * model.num_layers - 1]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
