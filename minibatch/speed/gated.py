@@ -112,8 +112,8 @@ def _last_columns(node) -> tuple | None:
 
 
 def _gated_use(product) -> tuple | None:
-    """(gate start, up start, n, the mul node, [the nodes the call replaces but `product`]) where `product`'s output is
-    read only as silu(columns [gate, gate + n)) * columns [up, up + n), else None."""
+    """(gate start, up start, n, the mul node, [the nodes the call replaces but `product`]) where `product`'s
+    output is read only as silu(columns [gate, gate + n)) * columns [up, up + n), else None."""
     if len(product.users) != 2:
         return None
     slices = {u: _last_columns(u) for u in product.users}
