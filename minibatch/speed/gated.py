@@ -139,13 +139,11 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
     fused = 0
     targets = (*LINEAR_TARGETS, torch.ops.minibatch.skinny_linear.default)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
+        product = skinny.bias_free_product(node, targets)
+        if product is None:
             continue
-        if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
-            continue
-        x = node.args[0]
-        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        rows = skinny._rows(value) if isinstance(value, torch.Tensor) else None
+        x, w, value = product
+        rows = skinny._rows(value)
         if not isinstance(rows, int):
             continue  # (symbolic rows: a server's compile keeps PyTorch's ops)
         found = _gated_use(node)
@@ -153,7 +151,7 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
             continue  # (where the kernel would not run, Inductor's fused activation is the better fallback)
         gate, up, n, mul, dead = found
         with gm.graph.inserting_before(mul):
-            call = gm.graph.call_function(torch.ops.minibatch.skinny_gated.default, (x, node.args[1], gate, up, n))
+            call = gm.graph.call_function(torch.ops.minibatch.skinny_gated.default, (x, w, gate, up, n))
         call.meta.update(mul.meta)
         mul.replace_all_uses_with(call)
         for d in [*dead, node]:

@@ -178,9 +178,9 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, each with its ENABLED,
     prenorm.fuse and gated.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
-    options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into a
-    sibling's, how many to the skinny kernel, and how many argmax calls over a vocabulary became two steps
-    (wide_argmax.py)."""
+    options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed`
+    and `argmaxes`: per compile, how many linear calls went into a sibling's, how many to the skinny
+    kernel, and how many argmax calls over a vocabulary became two steps (wide_argmax.py)."""
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches

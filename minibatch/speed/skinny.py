@@ -311,14 +311,12 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
     real = _placeholders(gm, example_inputs)
     routed = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in LINEAR_TARGETS or len(node.args) < 2:
+        found = bias_free_product(node, LINEAR_TARGETS)
+        if found is None:
             continue
-        if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
-            continue  # (a bias: not the kernel's)
-        x, w = node.args[:2]
+        x, w, value = found
         weight = _weight(w, real)
-        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        if not isinstance(weight, torch.Tensor) or not isinstance(value, torch.Tensor) or weight.dim() != 2:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
         if (on_cuda_only and not weight.is_cuda) or (torch.is_grad_enabled() and weight.requires_grad):
             continue  # (gradients: the operator has no backward, inference only as siblings.merge)
@@ -328,6 +326,18 @@ def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -
         _replace(gm, node, torch.ops.minibatch.skinny_linear.default, (x, w))
         routed += 1
     return recompiled(gm, routed)
+
+
+def bias_free_product(node: torch.fx.Node, targets) -> tuple | None:
+    """(x, w, x's example value) where `node` calls one of `targets` (linear's) as x @ w.T without a bias,
+    else None (the passes of skinny.py and gated.py)."""
+    if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
+        return None
+    if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
+        return None  # (a bias: not the kernel's)
+    x, w = node.args[:2]
+    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    return (x, w, value) if isinstance(value, torch.Tensor) else None
 
 
 def _weight(w, real: dict):
