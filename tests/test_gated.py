@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 @pytest.mark.parametrize("name", ["random-qwen3", "random-llama"])
 def test_the_pass_fuses_every_gated_mlp_and_keeps_the_logits(name, monkeypatch):
     """Every layer's merged gate/up product read as silu(gate) * up becomes one skinny_gated call where the
-    kernel's rule takes its rows (here 3: with MANY_ROWS), and no silu is left; the logits are the eager
+    kernel's rule takes its rows (here 3: MANY_ROWS, the default), and no silu is left; the logits are the eager
     step's (float32, to rounding)."""
     monkeypatch.setattr(gated, "MANY_ROWS", True)
     model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
@@ -40,9 +40,10 @@ def test_the_pass_fuses_every_gated_mlp_and_keeps_the_logits(name, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_the_pass_leaves_rows_the_kernel_would_not_take():
+def test_the_pass_leaves_rows_the_kernel_would_not_take(monkeypatch):
     """Without MANY_ROWS a step of 3 rows keeps its product and Inductor's activation: the operator would
     only run PyTorch's ops there, one kernel more than Inductor's fused activation."""
+    monkeypatch.setattr(gated, "MANY_ROWS", False)
     model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
     siblings.pack(model.hf)
     fused = []
@@ -82,8 +83,10 @@ def test_the_operator_without_the_kernel_is_pytorchs_ops():
 
 
 def test_the_settings_cover_the_timed_shape_only(monkeypatch):
-    """One row of the 0.6B shape's gate/up (3072 outputs by 1024 inputs), 1-8 with MANY_ROWS; more rows, or
-    the 1B and 8B shapes' wider products, stay on cuBLAS."""
+    """1-8 rows of the 0.6B shape's gate/up (3072 outputs by 1024 inputs), one row only without MANY_ROWS;
+    more rows, or the 1B and 8B shapes' wider products, stay on cuBLAS."""
+    assert gated.MANY_ROWS  # (the default)
+    monkeypatch.setattr(gated, "MANY_ROWS", False)
     assert gated.settings(1, 3072, 1024) and not any(gated.settings(r, 3072, 1024) for r in (0, 2, 4, 8))
     monkeypatch.setattr(gated, "MANY_ROWS", True)
     assert gated.settings(0, 3072, 1024) is None and gated.settings(gated.MOST_ROWS + 1, 3072, 1024) is None

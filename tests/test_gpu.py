@@ -192,7 +192,7 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, monkeypatch):
-    """speed/gated.py (ENABLED, the default; MANY_ROWS): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
+    """speed/gated.py (ENABLED and MANY_ROWS, the defaults): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
     the 0.6B shape's widths (float32): the eager tokens, sync and async, and the kernel took every layer's."""
     from minibatch.model import model as model_module
     from minibatch.speed import gated, skinny

@@ -21,11 +21,12 @@ call, where the graph's rows are a number and `settings` picks the kernel for th
 compile for any row count included, the graph keeps its ops, which Inductor fuses as before). The operator
 runs the kernel where it can (a CUDA tensor, with Triton), else the same work as PyTorch ops.
 
-Where it applies (`settings`): one row of a gate/up product of at most 3072 outputs by 1024 inputs, the
+Where it applies (`settings`): 1-8 rows of a gate/up product of at most 3072 outputs by 1024 inputs, the
 0.6B shape's, where it was timed (BENCHMARKS.md, small models; the kernel's settings alone:
 scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
-NAME:gated=0). 2-8 rows on tensor cores (`MANY_ROWS`) were 1-2% faster in the step too, but wait for their
-GPU token test; larger models, and other row counts, keep cuBLAS and Inductor's activation kernel.
+NAME:gated=0, and NAME:gated_rows=0 for one row only). At 2-8 rows, on tensor cores (`MANY_ROWS`), the
+kernel alone is slower than cuBLAS's product but the step is 1-2% faster: one kernel fewer per layer.
+Larger models, and more rows, keep cuBLAS and Inductor's activation kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ WIDEST, DEEPEST = 3072, 1024
 MOST_ROWS = 8
 
 #: Whether 2-8 rows take the kernel too (tensor cores); off, only one row does.
-MANY_ROWS = False
+MANY_ROWS = True
 
 
 #: Settings timed elsewhere, by row count, that take the place of `settings`' whole rule, MANY_ROWS and
@@ -60,7 +61,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     """skinny.py's setting for a gated product of `rows` x [2 n, k] (n outputs), or None (PyTorch's ops).
     Each program reads 2 x block_n weight rows. The fastest alone at the 0.6B shape
     (skinny_gemv_ab.py --grid gated, an H100): one row, plain multiply-adds, 4 columns a program, K in one
-    piece; 2-8 rows (only with MANY_ROWS), tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline
+    piece; 2-8 rows (with MANY_ROWS), tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline
     stages (2 for float32: the operator). TIMED, where it has the row count, takes the place of all this."""
     if not 1 <= rows <= MOST_ROWS:
         return None

@@ -738,8 +738,8 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # products of a one-row step took 0.18 ms against 0.26 ms <!-- from figures/data/headline.json: small_models_gated.ab_gated_m1_kernel_ms, small_models_gated.ab_gated_m1_cublas_ms --> for cuBLAS's products plus the activation;
 # in the default compiled step one row went from 1.04 to 1.00 ms <!-- from figures/data/headline.json: small_models_gated.q06_b1_run8_ungated_ms, small_models_gated.q06_b1_run8_compile_ms --> on an H100. With four rows the gated
 # kernel (on tensor cores) was slower than cuBLAS's product inside the step and won only the kernel it
-# removed (1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_gated.q06_b4_run8_ungated_ms, small_models_gated.q06_b4_run8_compile_ms -->), so by default it takes one row. What is left is the number of
-# kernels itself.
+# removed (1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_gated.q06_b4_run8_ungated_ms, small_models_gated.q06_b4_run8_compile_ms -->). A step that is faster is still faster: by default it
+# takes 1-8 rows. What is left is the number of kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most

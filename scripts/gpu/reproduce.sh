@@ -33,7 +33,7 @@
 #              2048-input product in one piece, one_piece=1, is the default now); not in the default list
 #   gated      the 0.6B shape's gate/up product with silu(gate) * up inside (speed/gated.py) alone against
 #              cuBLAS (experiments/skinny_gemv_ab.py --grid gated), and the compiled step at batches 1, 4 and 8
-#              without it (gated=0), with it at 2-8 rows too (gated_rows=1), and with fresh's path; not in the
+#              without it (gated=0), with it at one row only (gated_rows=0), and with fresh's path; not in the
 #              default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
@@ -100,7 +100,7 @@ for s in $sections; do
     gated) python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --rows 1,4,8 --grid gated > "$out/$s/gated_ab.log" 2>&1
            tail -5 "$out/$s/gated_ab.log"
            python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
-               --kernels top --variants "ungated:gated=0" "rows:gated_rows=1" "fresh:fresh=1,gated_rows=1" \
+               --kernels top --variants "ungated:gated=0" "few:gated_rows=0" "fresh:fresh=1" \
                > "$out/$s/floor.log" 2>&1; grep -A6 "^ \+[148] \+512" "$out/$s/floor.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
