@@ -337,6 +337,19 @@ def small_models_gated() -> dict:
     return out
 
 
+def small_models_many_rows() -> dict:
+    """gated.py at 2-8 rows too (MANY_ROWS, now the default: compile) against one row only (few), fresh's path
+    (fresh), with q/k/v on skinny.py's kernel at one row too (wide), in the 0.6B compiled step; and the 1B's
+    default compiled step (l1b_...); one H100, commands 2-4 on one machine."""
+    run = "gpu_small_models_many_rows_2026-12-05"
+    out = _by_command(run)
+    for p in json.loads((DATA / "runs" / run / "4_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
+        key = f"l1b_b{p['batch']}"
+        out[f"{key}_floor_ms"], out[f"{key}_compile_ms"] = p["floor_ms"], p["compile"]["ms"]
+        out[f"{key}_compile_x"] = p["compile"]["over_floor"]
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -390,7 +403,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_pdl": small_models_pdl, "small_models_combo": small_models_combo,
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
-            "small_models_defer": small_models_defer, "small_models_gated": small_models_gated}
+            "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
+            "small_models_many_rows": small_models_many_rows}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -447,7 +461,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "small_models_gated": [f"figures/data/runs/gpu_small_models_gated_2026-12-05/{f}.json" for f in (
                "2_skinny_gemv_gated_qwen3-0.6b-shape", "3_floor_matrix_qwen3-0.6b-shape_b4",
                "5_floor_matrix_qwen3-0.6b-shape_b8", "6_floor_matrix_qwen3-0.6b-shape_b1",
-               "8_floor_matrix_qwen3-0.6b-shape_b1_4")]}
+               "8_floor_matrix_qwen3-0.6b-shape_b1_4")],
+           "small_models_many_rows": [f"figures/data/runs/gpu_small_models_many_rows_2026-12-05/{f}.json" for f in (
+               "2_floor_matrix_qwen3-0.6b-shape_b1_4", "3_floor_matrix_qwen3-0.6b-shape_b8",
+               "4_floor_matrix_llama3-1b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
