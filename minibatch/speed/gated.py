@@ -37,6 +37,7 @@ import torch
 
 from . import skinny
 from .compat import LINEAR_TARGETS
+from .fx_edits import bias_free_product, calls, recompiled, rows_of
 
 #: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
 ENABLED = True
@@ -97,11 +98,6 @@ def _(x, weight, gate, up, n):
     return x.new_empty(*x.shape[:-1], n)
 
 
-def _one_reader(node, target, kind: str = "call_function") -> bool:
-    return (isinstance(node, torch.fx.Node) and node.op == kind and node.target == target
-            and len(node.users) == 1)
-
-
 def _last_columns(node) -> tuple | None:
     """(start, length) where `node` takes columns of its input's last dimension (torch.narrow, as
     siblings.merge writes it), else None."""
@@ -122,7 +118,7 @@ def _gated_use(product) -> tuple | None:
         return None
     for first, (gate, n) in slices.items():
         act = next(iter(first.users))
-        if not (_one_reader(act, torch.nn.functional.silu) and not act.kwargs.get("inplace")
+        if not (calls(act, torch.nn.functional.silu) and not act.kwargs.get("inplace")
                 and act.args[1:] in ((), (False,))):
             continue
         mul = next(iter(act.users))
@@ -140,11 +136,11 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
     fused = 0
     targets = (*LINEAR_TARGETS, torch.ops.minibatch.skinny_linear.default)
     for node in list(gm.graph.nodes):
-        product = skinny.bias_free_product(node, targets)
+        product = bias_free_product(node, targets)
         if product is None:
             continue
         x, w, value = product
-        rows = skinny._rows(value)
+        rows = rows_of(value)
         if not isinstance(rows, int):
             continue  # (symbolic rows: a server's compile keeps PyTorch's ops)
         found = _gated_use(node)
@@ -158,4 +154,4 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
         for d in [*dead, node]:
             gm.graph.erase_node(d)
         fused += 1
-    return skinny.recompiled(gm, fused)
+    return recompiled(gm, fused)

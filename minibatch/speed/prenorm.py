@@ -32,6 +32,7 @@ import operator
 import torch
 
 from . import skinny
+from .fx_edits import calls, recompiled
 
 #: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
 ENABLED = False
@@ -64,30 +65,24 @@ def _(x, r, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
 
 
-def _call(node, target, kind: str = "call_function", users: int | None = 1) -> bool:
-    """Is `node` an FX node calling `target` (a function, or a method's name), with `users` readers?"""
-    return (isinstance(node, torch.fx.Node) and node.op == kind and node.target == target
-            and (users is None or len(node.users) == users))
-
-
 def _norm_of_sum(x) -> tuple | None:
     """(a, b, weight, eps, [the norm's nodes]) where `x` is transformers' RMSNorm of a sum a + b, else None."""
-    if not (_call(x, operator.mul) and len(x.args) == 2 and _call(x.args[1], "to", "call_method")):
+    if not (calls(x, operator.mul) and len(x.args) == 2 and calls(x.args[1], "to", "call_method")):
         return None
     weight, to_dtype = x.args
     scaled = to_dtype.args[0]
-    if not (_call(scaled, operator.mul) and _call(scaled.args[1], torch.rsqrt)):
+    if not (calls(scaled, operator.mul) and calls(scaled.args[1], torch.rsqrt)):
         return None
     hf, rsqrt = scaled.args
     add = rsqrt.args[0]
-    if not (_call(add, operator.add) and isinstance(add.args[1], float) and _call(add.args[0], "mean", "call_method")):
+    if not (calls(add, operator.add) and isinstance(add.args[1], float) and calls(add.args[0], "mean", "call_method")):
         return None
     pow_ = add.args[0].args[0]
-    if not (_call(pow_, "pow", "call_method") and pow_.args[1:] == (2,) and pow_.args[0] is hf
-            and _call(hf, "to", "call_method", users=2) and tuple(hf.args[1:]) == (torch.float32,)):
+    if not (calls(pow_, "pow", "call_method") and pow_.args[1:] == (2,) and pow_.args[0] is hf
+            and calls(hf, "to", "call_method", users=2) and tuple(hf.args[1:]) == (torch.float32,)):
         return None
     total = hf.args[0]
-    if not (_call(total, operator.add, users=None) and len(total.args) == 2
+    if not (calls(total, operator.add, users=None) and len(total.args) == 2
             and all(isinstance(a, torch.fx.Node) for a in total.args)):
         return None
     return (*total.args, weight, add.args[1], [x, to_dtype, scaled, rsqrt, add, add.args[0], pow_, hf])
@@ -99,7 +94,7 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     fused = 0
     for node in list(gm.graph.nodes):
-        if not _call(node, torch.ops.minibatch.skinny_linear.default, users=None):
+        if not calls(node, torch.ops.minibatch.skinny_linear.default, users=None):
             continue
         found = _norm_of_sum(node.args[0])
         if found is None:
@@ -122,4 +117,4 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
         for dead in [node, *norm_nodes, total]:
             gm.graph.erase_node(dead)
         fused += 1
-    return skinny.recompiled(gm, fused)
+    return recompiled(gm, fused)

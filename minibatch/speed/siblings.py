@@ -37,6 +37,7 @@ import torch
 
 from . import wide_argmax
 from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
+from .fx_edits import placeholders, recompiled
 
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
 #: and Gemma name them (attention's q/k/v, the gated MLP's gate/up); other names are left alone
@@ -127,7 +128,7 @@ def _whole(gm: torch.fx.GraphModule, node: torch.fx.Node, tensors: list[torch.Te
 def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     """Replace `linear` calls that share an input and whose weights are stacked (`pack`) by one call
     and slices of its output; returns how many calls were merged into others."""
-    real = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    real = placeholders(gm, example_inputs)
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     groups: dict[tuple, list] = defaultdict(list)
@@ -169,10 +170,7 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
             gm.graph.erase_node(node)
             start += weight.shape[0]
         merged += len(members) - 1
-    if merged:
-        gm.graph.lint()
-        gm.recompile()
-    return merged
+    return recompiled(gm, merged)
 
 
 class _Backend:

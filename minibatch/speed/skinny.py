@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .early import has_pdl, prefetch_l2, wanted
+from .fx_edits import bias_free_product, placeholders, recompiled, replace, rows_of, weight_of
 
 try:
     import triton
@@ -302,79 +303,27 @@ def flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def route(gm: torch.fx.GraphModule, example_inputs, on_cuda_only: bool = True) -> int:
     """A pass over a compiled decode step's graph (siblings.py's backend runs it after `merge`): each
-    `linear` call without a bias (merged siblings' included: `_weight`) for which `settings` picks the
+    `linear` call without a bias (merged siblings' included: fx_edits.weight_of) for which `settings` picks the
     kernel at the input's row count (or, for a symbolic count, at one row) becomes a `skinny_linear`
     call, which picks the kernel or F.linear per call, from the real row count. Returns how many calls
     it routed. `on_cuda_only=False`: route CPU graphs too (tests: there the operator runs F.linear)."""
     from .compat import LINEAR_TARGETS
 
-    real = _placeholders(gm, example_inputs)
+    real = placeholders(gm, example_inputs)
     routed = 0
     for node in list(gm.graph.nodes):
         found = bias_free_product(node, LINEAR_TARGETS)
         if found is None:
             continue
         x, w, value = found
-        weight = _weight(w, real)
+        weight = weight_of(w, real)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
         if (on_cuda_only and not weight.is_cuda) or (torch.is_grad_enabled() and weight.requires_grad):
             continue  # (gradients: the operator has no backward, inference only as siblings.merge)
-        rows = _rows(value)
+        rows = rows_of(value)
         if settings(rows if isinstance(rows, int) else 1, *weight.shape) is None:
             continue
-        _replace(gm, node, torch.ops.minibatch.skinny_linear.default, (x, w))
+        replace(gm, node, torch.ops.minibatch.skinny_linear.default, (x, w))
         routed += 1
     return recompiled(gm, routed)
-
-
-def bias_free_product(node: torch.fx.Node, targets) -> tuple | None:
-    """(x, w, x's example value) where `node` calls one of `targets` (linear's) as x @ w.T without a bias,
-    else None (the passes of skinny.py and gated.py)."""
-    if node.op != "call_function" or node.target not in targets or len(node.args) < 2:
-        return None
-    if (node.args[2:] or [None])[0] is not None or node.kwargs.get("bias") is not None:
-        return None  # (a bias: not the kernel's)
-    x, w = node.args[:2]
-    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-    return (x, w, value) if isinstance(value, torch.Tensor) else None
-
-
-def _weight(w, real: dict):
-    """The tensor a `linear` call's weight argument stands for: a graph input's, or the stacked weight of
-    merged siblings (siblings.merge: `as_strided` over the first sibling's weight, offset 0), else None."""
-    if w in real:
-        return real[w]
-    if (isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target is torch.as_strided
-            and len(w.args) == 4 and isinstance(real.get(w.args[0]), torch.Tensor)):
-        return torch.as_strided(real[w.args[0]], *w.args[1:])
-    return None
-
-
-def _placeholders(gm: torch.fx.GraphModule, example_inputs) -> dict:
-    """The graph's inputs (placeholder nodes) -> the tensors torch.compile passed for them."""
-    return dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
-
-
-def _rows(value: torch.Tensor):
-    """The rows of a [..., K] value: the product of its leading sizes (an int, or symbolic)."""
-    rows = 1
-    for size in value.shape[:-1]:
-        rows = rows * size
-    return rows
-
-
-def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple) -> None:
-    """`node` becomes a call of `op` on `args` (with its metadata) and leaves the graph."""
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(op, args)
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-
-
-def recompiled(gm: torch.fx.GraphModule, changed: int) -> int:
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed

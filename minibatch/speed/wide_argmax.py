@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .fx_edits import recompiled, replace
+
 #: the pass runs (siblings.py's backend reads this at each compile)
 ENABLED = True
 #: the shortest last dimension whose argmax is rewritten
@@ -70,9 +72,6 @@ def _last_dim_argmax(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def split(gm: torch.fx.GraphModule, example_inputs=None) -> int:
     """Replace each wide last-dimension `argmax` by `two_step_argmax`; returns how many it replaced."""
-    from .skinny import recompiled, _replace  # (the graph edits skinny.py's passes make; imported late as
-    # siblings.py imports skinny.py, which imports Triton where it is installed)
-
     replaced = 0
     for node in list(gm.graph.nodes):
         x = _last_dim_argmax(node)
@@ -82,6 +81,6 @@ def split(gm: torch.fx.GraphModule, example_inputs=None) -> int:
         width = piece_width(size) if isinstance(size, int) and size >= SHORTEST else None
         if width is None:
             continue
-        _replace(gm, node, two_step_argmax, (x, width))
+        replace(gm, node, two_step_argmax, (x, width))
         replaced += 1
     return recompiled(gm, replaced)

@@ -1,0 +1,47 @@
+"""speed/fx_edits.py: the graph edits the compiled step's passes share, on small graphs traced by torch.fx."""
+
+import torch
+import torch.nn.functional as F
+
+from minibatch.speed import fx_edits
+
+
+class _Two(torch.nn.Module):
+    def forward(self, x, w, b):
+        return F.linear(x, w) + F.linear(x, w, b)
+
+
+def _traced():
+    gm = torch.fx.symbolic_trace(_Two())
+    x, w, b = torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5)
+    for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), (x, w, b)):
+        node.meta["example_value"] = value
+    return gm, (x, w, b)
+
+
+def test_a_product_without_a_bias_is_found_and_one_with_a_bias_is_not():
+    gm, inputs = _traced()
+    real = fx_edits.placeholders(gm, inputs)
+    assert [v is t for v, t in zip(real.values(), inputs)] == [True] * 3
+    found = [fx_edits.bias_free_product(n, (F.linear,)) for n in gm.graph.nodes]
+    hits = [f for f in found if f is not None]
+    assert len(hits) == 1 and fx_edits.calls(hits[0][0], "x", kind="placeholder", users=2)
+    x, w, value = hits[0]
+    assert value is inputs[0] and fx_edits.weight_of(w, real) is inputs[1]
+    assert fx_edits.rows_of(value) == 6
+    assert fx_edits.weight_of(next(n for n in gm.graph.nodes if n.op == "output"), real) is None
+
+
+def doubled(x, w):
+    return 2 * F.linear(x, w)
+
+
+def test_replace_and_recompile_change_what_the_module_computes():
+    gm, (x, w, b) = _traced()
+    node = next(n for n in gm.graph.nodes if fx_edits.bias_free_product(n, (F.linear,)))
+    new = fx_edits.replace(gm, node, doubled, node.args[:2])
+    assert new.op == "call_function" and node not in gm.graph.nodes
+    assert fx_edits.recompiled(gm, 0) == 0 and "doubled" not in gm.code  # (nothing changed: no new code)
+    assert fx_edits.recompiled(gm, 1) == 1 and "doubled" in gm.code
+    y = torch.randn(7, 4)
+    torch.testing.assert_close(gm(y, w, b), 2 * F.linear(y, w) + F.linear(y, w, b))
