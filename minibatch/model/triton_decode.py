@@ -240,12 +240,18 @@ def warps_stages(rows: int) -> tuple[int, int]:
     return (2, 2) if LEAN and 4 <= rows <= 64 else (4, 3)
 
 
-def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: int = 2,
+#: The programs per SM `num_splits` aims for (decode_kernel_tune.py --per-sm sweeps it; below 1, a few rows
+#: of short contexts are not split at all, and no combine step runs).
+PROGRAMS_PER_SM = 2
+
+
+def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: float | None = None,
                block_n: int = BLOCK_N) -> int:
-    """How many programs share one (row, kv head)'s keys: enough for `per_sm` programs per SM, each
-    over at least one `block_n` chunk of keys."""
+    """How many programs share one (row, kv head)'s keys: enough for `per_sm` programs per SM (None:
+    PROGRAMS_PER_SM), each over at least one `block_n` chunk of keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    want = -(-per_sm * sms // (rows * kv_heads))
+    per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
+    want = -(-int(per_sm * sms) // (rows * kv_heads))
     return max(1, min(want, -(-width // block_n), 64))
 
 

@@ -1,7 +1,7 @@
 """The Triton decode attention's launch settings, swept: keys per loop step, warps, pipeline stages, splits.
 
     python3 scripts/experiments/decode_kernel_tune.py OUTDIR [--points 1x512,8x512,32x512,128x512,32x2048,128x2048]
-        [--model llama3-8b-shape]
+        [--model llama3-8b-shape] [--per-sm 2,4,8,16]
 
 For each point (rows x context; `--model`'s attention shape: the 8B one has 32 query heads, 8 key/value
 heads, head_dim 128, 32 layers; bf16) a paged cache of all its layers holds `rows` requests of `context`
@@ -9,7 +9,8 @@ tokens (random keys and values, blocks of 16), and the decode batch is built as 
 Each setting runs the kernel once per layer, all captured in one CUDA graph (so that, as in a step, the
 next layer's keys are not in L2), mean of 20 replays, each kernel launched after the last (no early
 launch). Settings: BLOCK_N (keys per loop step) x num_warps x num_stages x programs per SM that
-num_splits aims for (the shipped heuristic aims for 2), and the shipped one with Triton's default warps
+num_splits aims for (`--per-sm`; the shipped heuristic aims for 2, triton_decode.PROGRAMS_PER_SM; below 1
+fewer splits, down to none), and the shipped one with Triton's default warps
 and stages (4 and 3; "defaults": triton_decode.LEAN off). Prints, per point, the shipped setting's time,
 the defaults', the best setting's, and each against the keys' and values' bytes at the copy bandwidth;
 checks every setting's output against the shipped one's (bf16 rounding). Writes decode_kernel_tune.json.
@@ -59,7 +60,7 @@ def attention_shape(model: str) -> dict:
             "dim": c.get("head_dim", c["hidden_size"] // heads)}
 
 
-def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int, per_sm: int):
+def launch(query, k_cache, v_cache, batch, block_n: int, warps: int, stages: int, per_sm: float):
     """triton_decode.launch with the split count num_splits picks when it aims for `per_sm` programs per SM;
     returns the output and the splits launched."""
     rows = batch.decode_rows
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--points", default="1x512,8x512,32x512,128x512,32x2048,128x2048")
     ap.add_argument("--model", default="llama3-8b-shape", choices=[n for n in RANDOM_CONFIGS if "shape" in n])
+    ap.add_argument("--per-sm", default="2,4,8,16",
+                    help="the programs per SM num_splits aims for, swept (fractions allowed: 0.125 leaves 4 rows of "
+                         "8 key/value heads unsplit on 132 SMs)")
     args = ap.parse_args()
     shape = attention_shape(args.model)
     out = Path(args.out)
@@ -83,13 +87,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {td.triton.__version__}, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     settings = [dict(block_n=n, warps=w, stages=s, per_sm=p)
-                for n, w, s, p in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 4, 8, 16))]
+                for n, w, s, p in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4),
+                                                    [float(x) for x in args.per_sm.split(",")])]
     results = {"copy_bandwidth": bw, "model": args.model, "shape": shape, "points": []}
     for pt in args.points.split(","):
         rows, context = (int(x) for x in pt.split("x"))
         warps, stages = td.warps_stages(rows)
-        shipped = dict(block_n=td.BLOCK_N, warps=warps, stages=stages, per_sm=2)
-        defaults = dict(block_n=td.BLOCK_N, warps=4, stages=3, per_sm=2)  # Triton's default warps and stages
+        shipped = dict(block_n=td.BLOCK_N, warps=warps, stages=stages, per_sm=td.PROGRAMS_PER_SM)
+        defaults = dict(block_n=td.BLOCK_N, warps=4, stages=3, per_sm=td.PROGRAMS_PER_SM)  # (Triton's warps, stages)
         cache, batch, query = setup(shape, rows, context)
         kv_bytes = shape["layers"] * rows * (context + 1) * shape["kv_heads"] * shape["dim"] * 2 * 2
         ref = None

@@ -101,11 +101,14 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
-    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS); every other
-    name is Inductor config."""
+    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
+    per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM); every
+    other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
+    if "per_sm" in inductor:
+        modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -215,7 +218,7 @@ def main() -> None:
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); prenorm=1 sets speed/prenorm.py's "
-                         "ENABLED")
+                         "ENABLED; per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM")
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")
