@@ -10,10 +10,11 @@ Each setting runs the kernel once per layer, all captured in one CUDA graph (so 
 next layer's keys are not in L2), mean of 20 replays, each kernel launched after the last (no early
 launch). Settings: BLOCK_N (keys per loop step) x num_warps x num_stages x programs per SM that
 num_splits aims for (`--per-sm`; the shipped heuristic aims for 2, triton_decode.PROGRAMS_PER_SM; below 1
-fewer splits, down to none), and the shipped one with Triton's default warps
-and stages (4 and 3; "defaults": triton_decode.LEAN off). Prints, per point, the shipped setting's time,
-the defaults', the best setting's, and each against the keys' and values' bytes at the copy bandwidth;
-checks every setting's output against the shipped one's (bf16 rounding). Writes decode_kernel_tune.json.
+fewer splits, down to none), and the shipped one with Triton's default warps and stages (4 and 3;
+"defaults": triton_decode.LEAN off). Prints, per point, the shipped setting's time, the defaults', the best
+setting's (and the best of each split count), and each against the keys' and values' bytes at the copy
+bandwidth; checks every setting's output against the shipped one's (bf16 rounding). Writes
+decode_kernel_tune.json.
 """
 
 from __future__ import annotations
@@ -121,13 +122,16 @@ def main() -> None:
         row = {"rows": rows, "context": context, "kv_floor_ms": floor, "shipped": shipped, "shipped_ms": base[0],
                "shipped_splits": base[2], "defaults_ms": plain[0], "best_ms": best[0], "best": best[1],
                "best_splits": best[2],
-               "top5": [{"ms": t[0], **t[1], "splits": t[2]} for t in sorted(timed, key=lambda t: t[0])[:5]]}
+               "top5": [{"ms": t[0], **t[1], "splits": t[2]} for t in sorted(timed, key=lambda t: t[0])[:5]],
+               "best_by_splits": {s: min(t[0] for t in timed if t[2] == s) for s in sorted({t[2] for t in timed})}}
         results["points"].append(row)
         print(f"{rows:4d} x {context:5d}: floor {floor:6.3f} ms  shipped {base[0]:6.3f} ({base[0] / floor:.2f}x, "
               f"{base[2]} splits, {warps} warps, {stages} stages)  defaults {plain[0]:6.3f}  best {best[0]:6.3f} "
               f"({best[0] / floor:.2f}x) {best[1]} {best[2]} splits", flush=True)
         for t in sorted(timed, key=lambda t: t[0])[1:5]:
             print(f"{'':16} next: {t[0]:6.3f} {t[1]} {t[2]} splits", flush=True)
+        print(f"{'':16} the best of each split count: "
+              + ", ".join(f"{s}: {ms:.3f}" for s, ms in row["best_by_splits"].items()), flush=True)
         del cache, batch, query
         torch.cuda.empty_cache()
         (out / "decode_kernel_tune.json").write_text(json.dumps(results, indent=1))
