@@ -210,10 +210,32 @@ def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, mon
     assert shape["intermediate_size"] in ups
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_norm_inside_the_gated_kernel_gives_the_eager_tokens(rows, monkeypatch):
+    """speed/prenorm.py (ENABLED) with skinny.py's default rule, in a two-layer model of the 0.6B shape's widths
+    (float32): only the norm before each gate/up goes into a kernel (gated.py's, skinny_norm_gated), q/k/v stay
+    on cuBLAS; the eager tokens, sync and async, and the kernel took the norm and the gate."""
+    from minibatch.model import model as model_module
+    from minibatch.speed import prenorm, skinny
+
+    shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
+    monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
+    monkeypatch.setattr(prenorm, "ENABLED", True)
+    both = []
+    real_launch = skinny.launch
+    monkeypatch.setattr(skinny, "launch", lambda *a, **k: both.append(k.get("pre") is not None and k.get("up")
+                                                                      is not None) or real_launch(*a, **k))
+    model, work, kw, eager = small_qwen3_run(18, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
+    torch._dynamo.reset()
+    compiled_runs_give(eager, model, work, kw)
+    assert any(both)
+
+
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
     """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
-    kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel, with the
-    eager tokens (float32, sync and async; with fresh.py's path too)."""
+    kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel (the gate/up's
+    inside gated.py's product: skinny_norm_gated), with the eager tokens (float32, sync and async; with
+    fresh.py's path too)."""
     from minibatch.model import fresh
     from minibatch.speed import prenorm, skinny
 

@@ -12,7 +12,7 @@ import torch
 
 import minibatch
 from decode_tables import compiled_and_eager
-from minibatch.speed import prenorm, siblings, skinny
+from minibatch.speed import gated, prenorm, siblings, skinny
 
 KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -39,6 +39,44 @@ def test_the_pass_fuses_every_norm_of_a_sum_and_keeps_the_logits(name):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_after_gated_fuse_the_norm_goes_inside_the_gated_products_too():
+    """After gated.fuse (as siblings.py's backend runs the passes), each layer's norm before its gate/up goes
+    into the skinny_gated call, which becomes skinny_norm_gated, and each norm before a routed q/k/v into a
+    skinny_norm_linear call (all but the first layer's, whose input is the embedding); no silu is left; the
+    logits and the cache are the eager step's (float32, to rounding)."""
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    counts = []
+
+    def fuse(gm, example_inputs):
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        gated.fuse(gm, example_inputs)
+        prenorm.fuse(gm, example_inputs)
+        targets = [n.target for n in gm.graph.nodes]
+        counts.append((targets.count(torch.ops.minibatch.skinny_norm_gated.default),
+                       targets.count(torch.ops.minibatch.skinny_norm_linear.default),
+                       targets.count(torch.ops.minibatch.skinny_gated.default)))
+        assert torch.nn.functional.silu not in targets
+
+    got, want, twin, cache = compiled_and_eager(model, fuse)
+    assert counts == [(model.num_layers, model.num_layers - 1, 0)]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gated_operator_without_the_kernel_is_the_models_own_ops():
+    """skinny_norm_gated where the kernel does not run (a CPU tensor): add, norm, the merged product and
+    silu(gate) * up as PyTorch ops, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+    norm_weight, weight = torch.rand(64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    y, h = prenorm.skinny_norm_gated(x, r, norm_weight, 1e-6, weight, 0, 20, 20)
+    both = torch.nn.functional.linear(prenorm.rms_norm(x + r, norm_weight, 1e-6), weight)
+    assert torch.equal(h, x + r)
+    assert torch.equal(y, torch.nn.functional.silu(both[:, :20]) * both[:, 20:])
 
 
 def test_the_operator_without_the_kernel_is_the_models_own_ops():
@@ -71,5 +109,28 @@ def test_the_kernel_adds_and_norms_as_the_models_ops_do(rows, setting, dtype):
     skinny.launch(x, w, y, setting, pre=(r, norm_weight, h, 1e-6))
     assert torch.equal(h, x + r)
     want = torch.nn.functional.linear(prenorm.rms_norm(x + r, norm_weight, 1e-6).float(), w.float())
+    tol = 5e-2 if setting.get("dot") and DEVICE == "cuda" or dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("setting", [
+    dict(block_n=4, block_k=64, warps=4, stages=3),
+    dict(block_n=16, block_k=32, warps=4, stages=2, dot=True),
+], ids=["plain", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_kernel_adds_norms_and_gates_as_the_models_ops_do(rows, setting, dtype):
+    """launch with `pre` and `up` (skinny_norm_gated's kernel) against silu(g) * u of rms_norm(x + r) @ w.T's
+    two halves, and x + r; K not a multiple of the piece, N not of the columns per program."""
+    g = torch.Generator().manual_seed(10 + rows)
+    x, r = (torch.randn(rows, 200, generator=g).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(200, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(2 * 52, 200, generator=g) / 10).to(DEVICE, dtype)
+    y, h = torch.empty(rows, 52, device=DEVICE, dtype=dtype), torch.empty(rows, 200, device=DEVICE, dtype=dtype)
+    skinny.launch(x, w, y, setting, pre=(r, norm_weight, h, 1e-6), up=52)
+    assert torch.equal(h, x + r)
+    both = torch.nn.functional.linear(prenorm.rms_norm(x + r, norm_weight, 1e-6).float(), w.float())
+    want = torch.nn.functional.silu(both[:, :52]) * both[:, 52:]
     tol = 5e-2 if setting.get("dot") and DEVICE == "cuda" or dtype == torch.float16 else 1e-4
     torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)

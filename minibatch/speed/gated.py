@@ -82,15 +82,27 @@ def skinny_gated(x: torch.Tensor, weight: torch.Tensor, gate: int, up: int, n: i
     `settings` picks it, else PyTorch's ops."""
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
-    chosen = settings(rows, n, k) if skinny.usable(x, weight) and gate + n <= up else None
+    chosen = chosen_setting(x, weight, gate, up, n)
     if chosen is None:
-        both = torch.nn.functional.linear(x, weight)
-        return torch.nn.functional.silu(both.narrow(-1, gate, n)) * both.narrow(-1, up, n)
-    if chosen.get("dot") and x.element_size() > 2:  # (float32 tiles: 4 stages would need more shared
-        chosen = {**chosen, "stages": 2}  # memory than an H100's SM has)
+        return glu_ops(x, weight, gate, up, n)
     y = x.new_empty(rows, n)
     skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen, up=up - gate)
     return y.reshape(*x.shape[:-1], n)
+
+
+def chosen_setting(x: torch.Tensor, weight: torch.Tensor, gate: int, up: int, n: int) -> dict | None:
+    """The kernel's setting for this call of a gated product (`settings` for its rows), or None: PyTorch's ops."""
+    k = x.shape[-1]
+    chosen = settings(x.numel() // max(k, 1), n, k) if skinny.usable(x, weight) and gate + n <= up else None
+    if chosen is not None and chosen.get("dot") and x.element_size() > 2:  # (float32 tiles: 4 stages would
+        chosen = {**chosen, "stages": 2}  # need more shared memory than an H100's SM has)
+    return chosen
+
+
+def glu_ops(x: torch.Tensor, weight: torch.Tensor, gate: int, up: int, n: int) -> torch.Tensor:
+    """The gated product as the graph's own PyTorch ops compute it: the merged product, sliced."""
+    both = torch.nn.functional.linear(x, weight)
+    return torch.nn.functional.silu(both.narrow(-1, gate, n)) * both.narrow(-1, up, n)
 
 
 @skinny_gated.register_fake

@@ -11,10 +11,11 @@ that product runs on skinny.py's kernel, the kernel can do the add and the norm 
                                      (program 0 also stores h: the residual stream the layer goes on with)
     in its loop, each piece:         x = weight * (h * (1 / rms))  (rounded as transformers' RMSNorm)
 
-`fuse(gm, example_inputs)`, a pass after skinny.route: each routed product whose input is transformers'
-RMSNorm of a sum (`a + b` -> to(float32) -> pow(2) -> mean(-1) -> + eps -> rsqrt -> * -> to(dtype) ->
-weight *) becomes one `minibatch::skinny_norm_linear` call, returning the product and the sum; the
-sum's other readers read the call's. The operator runs the kernel where skinny.settings picks it for
+`fuse(gm, example_inputs)`, a pass after skinny.route and gated.fuse: each routed product whose input is
+transformers' RMSNorm of a sum (`a + b` -> to(float32) -> pow(2) -> mean(-1) -> + eps -> rsqrt -> * ->
+to(dtype) -> weight *) becomes one `minibatch::skinny_norm_linear` call, returning the product and the
+sum, and each gated product (gated.py) on such a norm one `minibatch::skinny_norm_gated` call; the sum's
+other readers read the call's. The operator runs the kernel where skinny.settings picks it for
 the call's rows, else the same work as PyTorch ops (`rms_norm`, F.linear).
 
 Where it applies: only to products skinny.py's kernel takes, and a small model's q/k/v and gate/up are
@@ -22,7 +23,10 @@ wider than its default rule (`skinny.WIDEST`); so it is timed with a wider rule
 (scripts/gpu/floor_matrix.py --variants NAME:prenorm=1,widest=1:8192/4:8192/8:8192). In a step compiled
 for any row count, rows the rule does not take run the PyTorch ops, unfused. Timed and left off (`ENABLED`): in the
 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models") the norm kernels go, but the wide products it
-needs run slower on skinny.py's kernel than on cuBLAS at 4 and 8 rows, by more than the norms saved.
+needs run slower on skinny.py's kernel than on cuBLAS at 4 and 8 rows, by more than the norms saved. That was
+before gated.py: its gate/up product is on the kernel at 1-8 rows under the default rule, so there the pass
+takes the norm before it (one kernel fewer per layer) and moves no product off cuBLAS
+(floor_matrix.py --variants NAME:prenorm=1); not yet timed.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import operator
 
 import torch
 
-from . import skinny
+from . import gated, skinny
 from .fx_edits import calls, recompiled
 
 #: Whether the compiled step's backend runs `fuse` (read when a step compiles: set it before).
@@ -65,6 +69,28 @@ def _(x, r, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
 
 
+@torch.library.custom_op("minibatch::skinny_norm_gated", mutates_args=())
+def skinny_norm_gated(x: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, gate: int, up: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gated.skinny_gated of RMSNorm(x + r), x + r): the norm inside a gated product (gated.py), by
+    skinny.py's kernel where gated.py's rule takes the product."""
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    chosen = gated.chosen_setting(x, weight, gate, up, n) if r.dtype == x.dtype else None
+    if chosen is None:
+        h = x + r
+        return gated.glu_ops(rms_norm(h, norm_weight, eps), weight, gate, up, n), h
+    y, h = x.new_empty(rows, n), x.new_empty(rows, k)
+    skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen,
+                  pre=(skinny.flat_rows(r, rows), norm_weight, h, eps), up=up - gate)
+    return y.reshape(*x.shape[:-1], n), h.reshape(x.shape)
+
+
+@skinny_norm_gated.register_fake
+def _(x, r, norm_weight, eps, weight, gate, up, n):
+    return x.new_empty(*x.shape[:-1], n), torch.empty_like(x)
+
+
 def _norm_of_sum(x) -> tuple | None:
     """(a, b, weight, eps, [the norm's nodes]) where `x` is transformers' RMSNorm of a sum a + b, else None."""
     if not (calls(x, operator.mul) and len(x.args) == 2 and calls(x.args[1], "to", "call_method")):
@@ -89,12 +115,15 @@ def _norm_of_sum(x) -> tuple | None:
 
 
 def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
-    """The pass (siblings.py's backend runs it after skinny.route when ENABLED): each skinny_linear call
-    on the RMSNorm of a sum becomes one skinny_norm_linear call. Returns how many."""
+    """The pass (siblings.py's backend runs it after skinny.route and gated.fuse when ENABLED): each
+    skinny_linear call on the RMSNorm of a sum becomes one skinny_norm_linear call, each skinny_gated call
+    one skinny_norm_gated call. Returns how many."""
+    fused_op = {torch.ops.minibatch.skinny_linear.default: torch.ops.minibatch.skinny_norm_linear.default,
+                torch.ops.minibatch.skinny_gated.default: torch.ops.minibatch.skinny_norm_gated.default}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     fused = 0
     for node in list(gm.graph.nodes):
-        if not calls(node, torch.ops.minibatch.skinny_linear.default, users=None):
+        if node.op != "call_function" or node.target not in fused_op:
             continue
         found = _norm_of_sum(node.args[0])
         if found is None:
@@ -105,8 +134,7 @@ def fuse(gm: torch.fx.GraphModule, example_inputs) -> int:
         if any(order[u] < order[node] for u in readers):
             continue  # (the sum is read before the product: it must exist there)
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(torch.ops.minibatch.skinny_norm_linear.default,
-                                          (a, b, norm_weight, eps, node.args[1]))
+            call = gm.graph.call_function(fused_op[node.target], (a, b, norm_weight, eps, *node.args[1:]))
             product = gm.graph.call_function(operator.getitem, (call, 0))
             new_total = gm.graph.call_function(operator.getitem, (call, 1))
         product.meta.update(node.meta)

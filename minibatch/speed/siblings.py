@@ -175,7 +175,7 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, each with its ENABLED,
-    prenorm.fuse and gated.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
+    gated.fuse and prenorm.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
     options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed`
     and `argmaxes`: per compile, how many linear calls went into a sibling's, how many to the skinny
     kernel, and how many argmax calls over a vocabulary became two steps (wide_argmax.py)."""
@@ -191,10 +191,10 @@ class _Backend:
             from . import gated, prenorm, skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
-            if prenorm.ENABLED:  # (an experiment, off: prenorm.py)
-                prenorm.fuse(gm, example_inputs)
             if gated.ENABLED:  # (on by default: gated.py)
                 gated.fuse(gm, example_inputs)
+            if prenorm.ENABLED:  # (an experiment, off: prenorm.py; after gated.fuse, whose products it takes too)
+                prenorm.fuse(gm, example_inputs)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

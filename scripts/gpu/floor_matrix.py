@@ -35,7 +35,8 @@ defer=0 its products of 2-4 rows by K over 2048 summed once a piece (skinny.DEFE
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
 as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
-RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v and gate/up in), with
+RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v in; under the default rule
+only the norm before the gate/up, inside gated.py's product), with
 gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at 1-8 rows; gated_rows=0 at one row only).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
