@@ -157,6 +157,18 @@ class _Spy:
         return run
 
 
+def test_fewer_programs_per_sm_split_the_keys_less():
+    """triton_decode.num_splits (plain arithmetic: no Triton needed) at 4 rows x 8 key/value heads x 512 keys:
+    8 splits for the shipped 2 programs per SM (9 wanted, 8 chunks of 64 keys), fewer for fractions, none at
+    0.125 (PROGRAMS_PER_SM stands in for a missing per_sm)."""
+    from minibatch.model import triton_decode
+
+    cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
+    assert triton_decode.num_splits(4, 8, 512, cpu) == 8
+    assert [triton_decode.num_splits(4, 8, 512, cpu, per_sm) for per_sm in (1, 0.5, 0.25, 0.125)] == [5, 3, 2, 1]
+    assert triton_decode.num_splits(1, 8, 512, cpu, 0.125) == 2
+
+
 def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(monkeypatch):
     """Under torch.compile (Inductor, on the CPU here) the operator writes the cache in place: its outputs
     and the cache it leaves are the eager fresh path's (up to the compiled norms' rounding), and the

@@ -32,6 +32,19 @@ def test_a_product_without_a_bias_is_found_and_one_with_a_bias_is_not():
     assert fx_edits.weight_of(next(n for n in gm.graph.nodes if n.op == "output"), real) is None
 
 
+def test_a_merged_weight_is_the_stacked_tensor_behind_it():
+    """siblings.merge's weight, as_strided over the first sibling's weight from offset 0, stands for the
+    stacked rows (pack): weight_of gives that view; calls counts readers only where asked."""
+    stacked = torch.randn(8, 4)
+    graph = torch.fx.Graph()
+    first = graph.placeholder("w")
+    merged = graph.call_function(torch.as_strided, (first, (8, 4), (4, 1), 0))
+    graph.output((merged, merged))
+    got = fx_edits.weight_of(merged, {first: stacked[:3]})
+    assert torch.equal(got, stacked) and got.data_ptr() == stacked.data_ptr()
+    assert fx_edits.calls(merged, torch.as_strided, users=None) and not fx_edits.calls(merged, torch.as_strided, users=2)
+
+
 def doubled(x, w):
     return 2 * F.linear(x, w)
 

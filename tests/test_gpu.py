@@ -221,14 +221,15 @@ def test_the_norm_inside_the_gated_kernel_gives_the_eager_tokens(rows, monkeypat
     shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
     monkeypatch.setattr(prenorm, "ENABLED", True)
-    both = []
+    took = []  # (a norm, a gate) of each launch of skinny.py's kernel
     real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda *a, **k: both.append(k.get("pre") is not None and k.get("up")
-                                                                      is not None) or real_launch(*a, **k))
+    monkeypatch.setattr(skinny, "launch", lambda *a, **k: took.append((k.get("pre") is not None,
+                                                                       k.get("up") is not None)) or real_launch(*a, **k))
     model, work, kw, eager = small_qwen3_run(18, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
     torch._dynamo.reset()
     compiled_runs_give(eager, model, work, kw)
-    assert any(both)
+    assert (True, True) in took and (True, False) not in took  # (the gate/up's norm only: q/k/v on cuBLAS)
+    assert (False, True) not in took  # (every gated product took its norm)
 
 
 def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):

@@ -70,8 +70,6 @@ def test_split_count():
     assert triton_decode.num_splits(128, 8, 2048, cpu) == 1  # 1024 programs already
     assert triton_decode.num_splits(1, 8, 2048, cpu) == 32  # 8 programs: split to fill the SMs
     assert triton_decode.num_splits(1, 8, 128, cpu) == 2  # but never below one chunk of keys
-    assert triton_decode.num_splits(4, 8, 512, cpu) == 8  # (9 wanted, 8 chunks of 64 keys)
-    assert [triton_decode.num_splits(4, 8, 512, cpu, per_sm) for per_sm in (1, 0.5, 0.25, 0.125)] == [5, 3, 2, 1]
     with pytest.raises(ValueError, match="splits must be"):
         cache, batch = _decode_batch([5])
         triton_decode.decode_attention(torch.zeros(1, 4, batch.decode_rows, 16), cache.keys[0], cache.values[0],

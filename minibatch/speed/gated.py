@@ -24,8 +24,9 @@ runs the kernel where it can (a CUDA tensor, with Triton), else the same work as
 Where it applies (`settings`): 1-8 rows of a gate/up product of at most 3072 outputs by 1024 inputs, the
 0.6B shape's, where it was timed (BENCHMARKS.md, small models; the kernel's settings alone:
 scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
-NAME:gated=0, and NAME:gated_rows=0 for one row only). At 2-8 rows, on tensor cores (`MANY_ROWS`), the
-kernel alone is slower than cuBLAS's product but the step is 1-2% faster: one kernel fewer per layer.
+NAME:gated=0, and NAME:gated_rows=0 for one row only). At 2-8 rows, on tensor cores (`MANY_ROWS`), its
+products inside the step take longer than cuBLAS's (alone they were faster), but the activation kernel goes
+and the step is 2-3% faster.
 Larger models, and more rows, keep cuBLAS and Inductor's activation kernel.
 """
 

@@ -15,8 +15,9 @@ that product runs on skinny.py's kernel, the kernel can do the add and the norm 
 transformers' RMSNorm of a sum (`a + b` -> to(float32) -> pow(2) -> mean(-1) -> + eps -> rsqrt -> * ->
 to(dtype) -> weight *) becomes one `minibatch::skinny_norm_linear` call, returning the product and the
 sum, and each gated product (gated.py) on such a norm one `minibatch::skinny_norm_gated` call; the sum's
-other readers read the call's. The operator runs the kernel where skinny.settings picks it for
-the call's rows, else the same work as PyTorch ops (`rms_norm`, F.linear).
+other readers read the call's. Each operator runs the kernel where its product's rule picks it for the
+call's rows (skinny.settings; gated.py's for the gated one), else the same work as PyTorch ops (`rms_norm`,
+F.linear).
 
 Where it applies: only to products skinny.py's kernel takes, and a small model's q/k/v and gate/up are
 wider than its default rule (`skinny.WIDEST`); so it is timed with a wider rule
@@ -26,7 +27,8 @@ for any row count, rows the rule does not take run the PyTorch ops, unfused. Tim
 needs run slower on skinny.py's kernel than on cuBLAS at 4 and 8 rows, by more than the norms saved. That was
 before gated.py: its gate/up product is on the kernel at 1-8 rows under the default rule, so there the pass
 takes the norm before it (one kernel fewer per layer) and moves no product off cuBLAS
-(floor_matrix.py --variants NAME:prenorm=1); not yet timed.
+(floor_matrix.py --variants NAME:prenorm=1); not yet timed. (With the wider rule too, the gate/up's norm now
+goes into the gated product, which the earlier timing had as a skinny_norm_linear and an activation kernel.)
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def skinny_norm_gated(x: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tenso
     if chosen is None:
         h = x + r
         return gated.glu_ops(rms_norm(h, norm_weight, eps), weight, gate, up, n), h
+    if chosen.get("dot"):  # (r's pieces stream beside x's and both weights': fewer stages in shared memory)
+        chosen = {**chosen, "stages": min(chosen["stages"], 3 if x.element_size() <= 2 else 2)}
     y, h = x.new_empty(rows, n), x.new_empty(rows, k)
     skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen,
                   pre=(skinny.flat_rows(r, rows), norm_weight, h, eps), up=up - gate)

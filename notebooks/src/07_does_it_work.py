@@ -740,7 +740,10 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # kernel (on tensor cores) was slower than cuBLAS's product inside the step and won only the kernel it
 # removed (1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_gated.q06_b4_run8_ungated_ms, small_models_gated.q06_b4_run8_compile_ms -->). A step that is faster is still faster: by default it
 # takes 1-8 rows (timed again on another H100: 1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b4_run2_few_ms, small_models_many_rows.q06_b4_run2_compile_ms --> at four rows, 1.39 to 1.36 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b8_run3_few_ms, small_models_many_rows.q06_b8_run3_compile_ms --> at
-# eight). What is left is the number of kernels itself.
+# eight). That reopens the residual-add-and-norm experiment above: with the gate/up product on our
+# kernel by default, the norm before it can go inside the gated product without moving any product off
+# cuBLAS (`prenorm.fuse` now does that too, as `minibatch::skinny_norm_gated`). It is built and tested, not
+# yet timed. What is left is the number of kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
