@@ -922,6 +922,12 @@ else:
 #   it to 8.5 ms <!-- from figures/data/headline.json: decode_step.triton_ms -->, torch.compile to 6.1 ms <!-- from figures/data/headline.json: decode_step.compile_ms --> and merging q/k/v and gate/up into one product each inside
 #   the compiled graph to 5.4 ms <!-- from figures/data/headline.json: decode_step.merged_ms --> at batch 32 (the last three from whole runs, section 1's command): 1.16-1.41x <!-- from figures/data/headline.json: floor_matrix.compile_min, floor_matrix.compile_max --> the full floor (weights plus keys and values)
 #   from 1 to 128 rows, bounded by the matrix products and by kernel count.
+# * A small model's step is bound by its count of kernels, not its bytes. A few-row product kernel of our
+#   own, early launches, combined kernels, a two-step argmax and the activation inside the gate/up product
+#   took the 0.6B compiled step at batch 1 from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> its floor (every product on cuBLAS, H200) to 2.36x <!-- from figures/data/headline.json: small_models_many_rows.q06_b1_run2_compile_x --> on an
+#   H100 (2.43-2.44x <!-- from figures/data/headline.json: small_models_many_rows.q06_b4_run2_compile_x, small_models_many_rows.q06_b8_run3_compile_x --> at 4 and 8 rows); the H200, with its lower floor, was last timed at 3.13-3.28x <!-- from figures/data/headline.json: small_models_apart.q06_b8_run6_compile_x, small_models_apart.q06_b4_run6_compile_x -->,
+#   before the activation moved into the product. What is left is ~270 kernels a step, each a few
+#   microseconds long.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
 #
