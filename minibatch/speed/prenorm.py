@@ -82,9 +82,8 @@ def skinny_norm_gated(x: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tenso
     if chosen is None:
         h = x + r
         return gated.glu_ops(rms_norm(h, norm_weight, eps), weight, gate, up, n), h
-    if chosen.get("dot"):  # (r's pieces stream beside x's and both weights': fewer stages in shared memory)
-        chosen = {**chosen, "stages": min(chosen["stages"], 3 if x.element_size() <= 2 else 2)}
-    y, h = x.new_empty(rows, n), x.new_empty(rows, k)
+    y, h = x.new_empty(rows, n), x.new_empty(rows, k)  # (gated.py's setting as it is: with r's pieces in
+    # shared memory too it still fits a Hopper SM, float32's 2 stages included; kernel_resources.py counts it)
     skinny.launch(skinny.flat_rows(x, rows), weight[gate:], y, chosen,
                   pre=(skinny.flat_rows(r, rows), norm_weight, h, eps), up=up - gate)
     return y.reshape(*x.shape[:-1], n), h.reshape(x.shape)

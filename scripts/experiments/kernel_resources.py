@@ -33,7 +33,7 @@ try:
 except ImportError:
     raise SystemExit("kernel_resources.py compiles Triton kernels: pip install triton") from None
 from minibatch.model import triton_decode  # noqa: E402
-from minibatch.speed import skinny  # noqa: E402
+from minibatch.speed import gated, skinny  # noqa: E402
 
 SM = {"registers": 65536, "shared": 227 * 1024, "warps": 64, "blocks": 32}
 INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr", "cm_ptr")
@@ -53,9 +53,17 @@ def skinny_settings(rows: int, pdl: bool, n: int = 1024, pre: bool = False) -> d
     saved, skinny.WIDEST = skinny.WIDEST, {8: 8192}
     s = skinny.settings(rows, n, 1024)
     skinny.WIDEST = saved
+    return _skinny_constants(s, rows, pdl, pre=pre)
+
+
+def _skinny_constants(s: dict, rows: int, pdl: bool, pre: bool = False, gate: bool = False,
+                      fp32: bool = False) -> dict:
+    """skinny.launch's constants for setting `s` (and, with `fp32`, float32 pointers: `_ptr_type`)."""
     dot = s.get("dot", False)
-    return dict(BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(rows)), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"],
-                STAGES=s["stages"], SPLIT=False, DOT=dot, PDL=pdl, LINE=64, PRE=pre)
+    out = dict(BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(rows)), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"],
+               STAGES=s["stages"], SPLIT=False, DOT=dot, PDL=pdl, LINE=64 if not fp32 else 32, PRE=pre,
+               DEFER=s.get("defer", False) and not dot, GATE=gate, IEEE=fp32)
+    return {**out, "_ptr_type": "*fp32"} if fp32 else out
 
 
 def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
@@ -87,6 +95,20 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
                     shm=1024)
         label = f"skinny{' + norm' * pre}, q/k/v, {rows} row{'s' * (rows > 1)}, pdl=1"
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
+    # the 0.6B merged gate/up product with silu(gate) * up inside (gated.py; 3072 outputs x 1024 inputs), and
+    # with the norm before it too (prenorm.py's skinny_norm_gated, the same setting); float32 as the GPU tests'
+    # models run it (2 stages: gated.chosen_setting)
+    for rows, pre, fp32 in ((1, False, False), (4, False, False), (4, True, False), (8, True, False),
+                            (4, False, True), (4, True, True)):
+        s = gated.settings(rows, 3072, 1024)
+        if fp32 and s.get("dot"):
+            s = {**s, "stages": 2}
+        c = _skinny_constants(s, rows, True, pre=pre, gate=True, fp32=fp32)
+        ints = dict(M=rows, N=3072, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=3072, srm=1024,
+                    shm=1024, up_offset=3072 * 1024)
+        label = (f"skinny gated{' + norm' * pre}, gate/up, {rows} row{'s' * (rows > 1)}, "
+                 f"{'float32' if fp32 else 'bf16'}, {c['STAGES']} stages, pdl=1")
+        out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
     return out
 
 
@@ -94,6 +116,8 @@ def compile_for(fn, constants: dict, ints: dict, warps: int, stages: int, arch: 
     """The kernel compiled as Triton's launcher would for these values: an integer argument equal to 1
     becomes a constant, one divisible by 16 (and every pointer) is marked so."""
     names = fn.arg_names
+    constants = dict(constants)
+    ptr_type = constants.pop("_ptr_type", "*bf16")  # (the tensors' element type: bf16 unless a launch says)
     constants = {**constants, **{k: v for k, v in ints.items() if v == 1}}
     signature, attrs = {}, {}
     for i, name in enumerate(names):
@@ -102,7 +126,7 @@ def compile_for(fn, constants: dict, ints: dict, warps: int, stages: int, arch: 
             continue
         if name.endswith("_ptr"):
             signature[name] = ("*i64" if name in INDEX_POINTERS else "*fp32" if name in FLOAT32_POINTERS
-                               else "*i32" if name == "count_ptr" else "*bf16")
+                               else "*i32" if name == "count_ptr" else ptr_type)
         else:
             signature[name] = "fp32" if name in ("scale", "eps") else "i32"
         if name.endswith("_ptr") or ints.get(name, 1) % 16 == 0:
