@@ -26,7 +26,7 @@ Where it applies (`settings`): 1-8 rows of a gate/up product of at most 3072 out
 scripts/experiments/skinny_gemv_ab.py --grid gated, the step: scripts/gpu/floor_matrix.py --variants
 NAME:gated=0, and NAME:gated_rows=0 for one row only). At 2-8 rows, on tensor cores (`MANY_ROWS`), its
 products inside the step take longer than cuBLAS's (alone they were faster), but the activation kernel goes
-and the step is about 2% faster (1.7% at 4 rows, 2.4% at 8 on an H100).
+and the step is about 2% faster (BENCHMARKS.md, small models).
 Larger models, and more rows, keep cuBLAS and Inductor's activation kernel.
 """
 
