@@ -1,5 +1,6 @@
 """A decode batch in the decode layout over rows of cached tokens, and its cache filled with random keys
-and values: what the decode kernels' tests (test_paged_kernel.py, test_fresh.py) run on."""
+and values: what the decode kernels' tests (test_paged_kernel.py, test_fresh.py) run on; and one decode
+step compiled through the graph passes against the eager step (the passes' tests)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,22 @@ def compiled_and_eager(model, graph_pass, ctx_lens=(5, 11, 3)):
         want = model._forward(batch, cache)
         got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
     return got, want, twin, cache
+
+
+def routed_step(name: str, *passes):
+    """compiled_and_eager for the random model `name` (float32, its weights stacked) through skinny.route
+    (CPU graphs too: the operators then run PyTorch ops) and then `passes`: (model, [(each pass's count, the
+    graph's call targets after them) per compile], compiled logits, eager logits, compiled cache, eager cache)."""
+    import minibatch
+    from minibatch.speed import siblings, skinny
+
+    model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
+    siblings.pack(model.hf)
+    seen = []
+
+    def run(gm, example_inputs):
+        skinny.route(gm, example_inputs, on_cuda_only=False)
+        counts = [p(gm, example_inputs) for p in passes]
+        seen.append((counts, [n.target for n in gm.graph.nodes]))
+
+    return (model, seen, *compiled_and_eager(model, run))

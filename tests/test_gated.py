@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minibatch
-from decode_tables import compiled_and_eager
+from decode_tables import compiled_and_eager, routed_step
 from minibatch.speed import gated, siblings, skinny
 
 KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
@@ -24,19 +24,11 @@ def test_the_pass_fuses_every_gated_mlp_and_keeps_the_logits(name, monkeypatch):
     kernel's rule takes its rows (here 3: MANY_ROWS, the default), and no silu is left; the logits are the eager
     step's (float32, to rounding)."""
     monkeypatch.setattr(gated, "MANY_ROWS", True)
-    model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
-    siblings.pack(model.hf)
-    fused = []
-
-    def fuse(gm, example_inputs):
-        skinny.route(gm, example_inputs, on_cuda_only=False)
-        fused.append(gated.fuse(gm, example_inputs))
-        targets = [n.target for n in gm.graph.nodes]
-        assert targets.count(torch.ops.minibatch.skinny_gated.default) == fused[-1]
+    model, seen, got, want = routed_step(name, gated.fuse)[:4]
+    for (fused,), targets in seen:
+        assert targets.count(torch.ops.minibatch.skinny_gated.default) == fused
         assert torch.nn.functional.silu not in targets
-
-    got, want = compiled_and_eager(model, fuse)[:2]
-    assert fused == [model.num_layers]
+    assert [counts for counts, _ in seen] == [[model.num_layers]]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

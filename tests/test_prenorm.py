@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-import minibatch
-from decode_tables import compiled_and_eager
-from minibatch.speed import gated, prenorm, siblings, skinny
+from decode_tables import routed_step
+from minibatch.speed import gated, prenorm, skinny
 
 KERNEL = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -23,19 +22,11 @@ def test_the_pass_fuses_every_norm_of_a_sum_and_keeps_the_logits(name):
     """Every RMSNorm of a residual sum that feeds a routed product (all but the first layer's input norm,
     whose input is the embedding) becomes one skinny_norm_linear call; the logits and the cache the step
     leaves are the eager step's (float32, to rounding)."""
-    model = minibatch.load_model(name, device="cpu", dtype=torch.float32)
-    siblings.pack(model.hf)
-    fused = []
-
-    def fuse(gm, example_inputs):
-        skinny.route(gm, example_inputs, on_cuda_only=False)
-        fused.append(prenorm.fuse(gm, example_inputs))
-        targets = [n.target for n in gm.graph.nodes]
-        assert targets.count(torch.ops.minibatch.skinny_norm_linear.default) == fused[-1]
+    model, seen, got, want, twin, cache = routed_step(name, prenorm.fuse)
+    for (fused,), targets in seen:
+        assert targets.count(torch.ops.minibatch.skinny_norm_linear.default) == fused
         assert torch.rsqrt in targets  # (the first layer's input norm stays)
-
-    got, want, twin, cache = compiled_and_eager(model, fuse)
-    assert fused == [2 * model.num_layers - 1]
+    assert [counts for counts, _ in seen] == [[2 * model.num_layers - 1]]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -46,21 +37,11 @@ def test_after_gated_fuse_the_norm_goes_inside_the_gated_products_too():
     into the skinny_gated call, which becomes skinny_norm_gated, and each norm before a routed q/k/v into a
     skinny_norm_linear call (all but the first layer's, whose input is the embedding); no silu is left; the
     logits and the cache are the eager step's (float32, to rounding)."""
-    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
-    siblings.pack(model.hf)
-    counts = []
-
-    def fuse(gm, example_inputs):
-        skinny.route(gm, example_inputs, on_cuda_only=False)
-        gated.fuse(gm, example_inputs)
-        prenorm.fuse(gm, example_inputs)
-        targets = [n.target for n in gm.graph.nodes]
-        counts.append((targets.count(torch.ops.minibatch.skinny_norm_gated.default),
-                       targets.count(torch.ops.minibatch.skinny_norm_linear.default),
-                       targets.count(torch.ops.minibatch.skinny_gated.default)))
-        assert torch.nn.functional.silu not in targets
-
-    got, want, twin, cache = compiled_and_eager(model, fuse)
+    model, seen, got, want, twin, cache = routed_step("random-qwen3", gated.fuse, prenorm.fuse)
+    counts = [(targets.count(torch.ops.minibatch.skinny_norm_gated.default),
+               targets.count(torch.ops.minibatch.skinny_norm_linear.default),
+               targets.count(torch.ops.minibatch.skinny_gated.default)) for _, targets in seen]
+    assert all(torch.nn.functional.silu not in targets for _, targets in seen)
     assert counts == [(model.num_layers, model.num_layers - 1, 0)]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
