@@ -63,8 +63,10 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     """skinny.py's setting for a gated product of `rows` x [2 n, k] (n outputs), or None (PyTorch's ops).
     Each program reads 2 x block_n weight rows. The fastest alone at the 0.6B shape
     (skinny_gemv_ab.py --grid gated, an H100): one row, plain multiply-adds, 4 columns a program, K in one
-    piece; 2-8 rows (with MANY_ROWS), tensor cores, 32 columns a program, K in pieces of 256, 4 pipeline
-    stages (2 for float32: the operator). TIMED, where it has the row count, takes the place of all this."""
+    piece; 2-8 rows (with MANY_ROWS), tensor cores, 32 columns a program, K in pieces of 128, 5 pipeline
+    stages (2 for float32: the operator), of 74 settings the one that took as long as cuBLAS's product
+    alone (pieces of 256 in 4 stages, chosen from a smaller grid before, took 7% longer; BENCHMARKS.md).
+    TIMED, where it has the row count, takes the place of all this."""
     if not 1 <= rows <= MOST_ROWS:
         return None
     if rows in TIMED:
@@ -72,7 +74,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     if n > WIDEST or k > DEEPEST or (rows > 1 and not MANY_ROWS):
         return None
     if rows > 1:
-        return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+        return dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
     return dict(block_n=4, block_k=1 << (k - 1).bit_length(), warps=4, stages=3)  # (a power of 2: the K mask
     # covers the rest)
 
