@@ -56,6 +56,41 @@ def test_a_model_with_the_fresh_forward_still_pickles():
     assert fresh.install(copy) == 0
 
 
+@pytest.mark.parametrize("device, attention, dynamic_rows, hidden, takes", [
+    ("cuda", "triton", False, 1024, True), ("cuda", "triton", False, 2048, True),
+    ("cuda", "triton", False, 4096, False), ("cuda", "triton", True, 1024, False),
+    ("cuda", "sdpa", False, 1024, False), ("cpu", "triton", False, 1024, False)])
+def test_the_small_models_rule_picks_static_row_gpu_steps_of_small_models(device, attention, dynamic_rows,
+                                                                          hidden, takes):
+    assert fresh.in_compiled_step(device, attention, dynamic_rows, hidden) is takes
+
+
+def test_a_compiled_step_the_rule_picks_turns_the_path_on_around_its_calls_only(monkeypatch):
+    """The hook speed/compiled.py's CompiledStep calls: for a step the rule picks, the layers get the fresh
+    forward and each call holds ENABLED on (while IN_SMALL_COMPILES is); elsewhere it does nothing."""
+    import types
+
+    from minibatch.speed import compiled
+
+    assert fresh._compiled_step_hook in compiled.AROUND
+    model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    assert compiled.CompiledStep(model)._around == []  # (a CPU step: the layers keep their own forward)
+    assert fresh.install(model.hf) == model.num_layers
+    other = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
+    as_on_a_gpu = types.SimpleNamespace(model=types.SimpleNamespace(device=torch.device("cuda"), hf=other.hf),
+                                        attention="triton", dynamic_rows=False)
+    around = fresh._compiled_step_hook(as_on_a_gpu)
+    assert fresh.install(other.hf) == 0  # (the hook gave the layers the forward)
+    assert not fresh.ENABLED
+    with around():
+        assert fresh.ENABLED
+    assert not fresh.ENABLED
+    monkeypatch.setattr(fresh, "IN_SMALL_COMPILES", False)
+    with around():
+        assert not fresh.ENABLED
+    assert fresh._compiled_step_hook(types.SimpleNamespace(**{**vars(as_on_a_gpu), "dynamic_rows": True})) is None
+
+
 def test_prefill_steps_and_the_switch_off_take_the_layers_own_forward(monkeypatch):
     """A flat step (prompts) never takes the fresh path, nor a decode step while ENABLED is off."""
     model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)

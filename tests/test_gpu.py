@@ -140,6 +140,25 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     compiled_runs_give(own, model, work, kw)
 
 
+def test_a_small_models_compiled_step_takes_the_fresh_path_by_default(monkeypatch):
+    """model/fresh.py's rule (IN_SMALL_COMPILES): a small model's static-row compiled steps hand q/k/v to the
+    decode kernel, its eager steps keep the layers' own forward: the same tokens, sync and async."""
+    from minibatch.model import fresh, triton_decode
+
+    if not triton_decode.available():
+        pytest.skip("needs triton")
+    model, work, kw, own = small_qwen3_run(12)
+    launches = []
+    real_launch = triton_decode.launch
+    monkeypatch.setattr(triton_decode, "launch",
+                        lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    compiled_runs_give(own, model, work, kw)
+    assert any(f is not None for f in launches) and not fresh.ENABLED
+    launches.clear()
+    assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
+    assert launches and all(f is None for f in launches)
+
+
 @pytest.mark.parametrize("apart", [True, False])
 def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatch):
     """fresh.py's path on rows whose keys are split, the new key on a program of its own

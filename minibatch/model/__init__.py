@@ -6,10 +6,11 @@ A plug-in: the core engine runs it (core/engine.py MODEL_NEEDS); it reads the co
     checks.py         load_model's checks: arguments, decoder-only LM, config sizes                00
     attention.py      the paged attention function registered with transformers; the choices    00, 07
     triton_decode.py  the Triton decode kernel that reads the KV cache in place                    07
-    fresh.py          q/k/v straight from their projections into that kernel (an experiment, off)  07
+    fresh.py          q/k/v straight from their projections into that kernel (small models)      07
     tokenizer.py      the tiny model's byte-level tokenizer                                        00
 """
 
 from .model import Model, load_model
+from . import fresh  # (importing it adds its rule to compiled decode steps: speed/compiled.py's AROUND)
 
-__all__ = ["Model", "load_model"]
+__all__ = ["Model", "load_model", "fresh"]

@@ -34,25 +34,32 @@ runs the kernel where the step's decode attention is "triton" and, elsewhere (a 
 as the model's own ops (`reference`), which the tests compare with the layer's own forward bit for
 bit.
 
-Status: an experiment, timed and left off. A model gets the forward only where `install` is called
-(scripts/gpu/floor_matrix.py --variants fresh:fresh=1 does), and takes the path only while `ENABLED`.
+Status: on in the compiled decode steps of small models on a GPU (`IN_SMALL_COMPILES`: static rows, the
+Triton decode attention, a hidden size of at most 2048: the 0.6B and 1B shapes, where it was timed),
+off elsewhere (eager steps, a server's compile with dynamic rows, the 8B shape: untimed there). A model gets
+the forward only where `install` is called (a CompiledStep does where the rule picks the path;
+scripts/gpu/floor_matrix.py --variants fresh:fresh=1 anywhere), and takes the path only while `ENABLED`
+(CompiledStep turns it on around its calls: `turned_on`).
 In the 0.6B compiled step on an H200 (BENCHMARKS.md, "Small models"), with the first split's program
 folding in the new key, it was 3% slower than the default compiled step at 1, 4 and 8 rows in one
 process (5% faster at 4 and 8 rows in another, whose default step was slower): its every program norms
 and rotates its query heads before its loop, and the new key's work after the loop lengthened the
 longest program. With that work on a program of its own (triton_decode.NEW_KEY_APART, now on) the
-step is 1-2% faster than the default compiled step at 1, 4 and 8 rows, in each of two processes.
-Turning it on is the next step, once timed at the 8B shape and in serving.
+step is 1-2% faster than the default compiled step at 1, 4 and 8 rows, in each of two processes, and
+again in later runs (the 1B shape too), which also showed the step without it depend on Inductor's timing
+of its combined kernels: one compile's q/k norm and rotary kernel took 5.6 us a layer instead of 2.2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..speed import compiled
 from ..speed.prenorm import rms_norm
 from ..speed.skinny import flat_rows
 from . import triton_decode
@@ -63,8 +70,50 @@ from .attention import attend_rows, decode_mask
 #: function, the output projection.
 FAMILIES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 
-#: Whether decode-layout steps take this path (read when a step is traced: set it before compiling).
+#: Whether decode-layout steps take this path (read when a step is traced: set it before compiling). Off: only
+#: the compiled steps that speed/compiled.py's rule picks take it (`turned_on`, around their calls).
 ENABLED = False
+
+
+#: Whether compiled steps of small models take this path (`in_compiled_step`): with static rows, on CUDA with
+#: the Triton decode attention, a hidden size of at most SMALL_HIDDEN. Timed 1-2% faster at 1, 4 and 8 rows of
+#: the 0.6B and 1B shapes, and without the q/k norm and rotary kernel whose speed depended on Inductor's timing
+#: of combined kernels (BENCHMARKS.md, small models). Not timed at the 8B shape, nor with dynamic rows (a
+#: server's compile), nor in eager steps.
+IN_SMALL_COMPILES = True
+SMALL_HIDDEN = 2048
+
+
+def in_compiled_step(device_type: str, attention: str, dynamic_rows: bool, hidden_size: int) -> bool:
+    """Could a compiled step of this model take the path by IN_SMALL_COMPILES's rule (the switch aside)?"""
+    return device_type == "cuda" and attention == "triton" and not dynamic_rows and hidden_size <= SMALL_HIDDEN
+
+
+def _compiled_step_hook(step):
+    """(speed/compiled.py's AROUND) For a compiled step the rule picks: the layers get this forward, and each
+    call of the step runs with the path on while IN_SMALL_COMPILES is (read per call: experiments switch it)."""
+    model = step.model
+    if not in_compiled_step(model.device.type, step.attention, step.dynamic_rows, model.hf.config.hidden_size):
+        return None
+    install(model.hf)
+    return lambda: turned_on(IN_SMALL_COMPILES)
+
+
+compiled.AROUND.append(_compiled_step_hook)
+
+
+@contextlib.contextmanager
+def turned_on(on: bool = True):
+    """While open, ENABLED is on where `on` (else left as it is): a compiled step's calls (speed/compiled.py).
+    A module setting, not a per-thread one, because the compiler guards on it: a graph traced with the path
+    is not reused by a step without it. (One thread runs an engine's steps.)"""
+    global ENABLED
+    before = ENABLED
+    ENABLED = before or on
+    try:
+        yield
+    finally:
+        ENABLED = before
 
 
 def install(hf: torch.nn.Module) -> int:

@@ -9,6 +9,7 @@ one step for every row count instead of one per row count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 
@@ -26,6 +27,10 @@ from ..core.device import resident
 #: 14-17 us at 4-8 rows of the 0.6B shape, against 4 us for its parts). Compiles take longer (the timing).
 #: Not with dynamic rows: never timed there. BENCHMARKS.md, small models.
 COMBO = {"combo_kernels": True, "benchmark_combo_kernel": True}
+
+#: Hooks of the layers above (model/fresh.py's): each `hook(step)`, called as a CompiledStep is made, returns a
+#: context manager factory that each of the step's calls holds open, or None. (This layer cannot import them.)
+AROUND: list = []
 
 #: An experiment, off until timed on a GPU: each step's carry-over (core/carry_over.py) as one Inductor kernel
 #: (`carry_over_sum`) instead of the seven eager kernels its four ops make inside a step's graph (two fills, a
@@ -75,7 +80,8 @@ class CompiledStep:
     adds or overrides Inductor config): the arithmetic is the same, so are the bits. With static rows on
     a GPU, Inductor also launches independent small kernels together where that times faster (COMBO), and
     in every static-row compiled step the argmax over the vocabulary runs in two steps (wide_argmax.py,
-    same token).
+    same token). Small models' static-row steps on a GPU hand q/k/v straight to the Triton decode kernel
+    (model/fresh.py's rule, through AROUND).
 
     `dynamic_rows`: the row count (and the keys' length) symbolic from the first compile, so one
     compile serves every decode batch of two rows or more, and one more serves a single row
@@ -113,6 +119,7 @@ class CompiledStep:
         # and, with static rows on a GPU, small independent kernels share launches (COMBO)
         combo = COMBO if model.device.type == "cuda" and not dynamic_rows else {}
         self.inductor = {**early.inductor_options(model.device), **combo, **(inductor or {})}
+        self._around = [f for f in (hook(self) for hook in AROUND) if f is not None]
         self.shapes: set[tuple] = set()
         self._fn = None
         self._pick = None  # with dynamic_rows: the sampler, compiled apart (see the class doc)
@@ -195,7 +202,9 @@ class CompiledStep:
             # dynamic rows: the forward alone (to the logits), the sampler apart (see the class doc)
             fn = self.model._forward if self.dynamic_rows else self.model.forward_sample
             self._fn = self._compile(fn)
-        with torch.inference_mode(), early.inside():
+        with torch.inference_mode(), early.inside(), contextlib.ExitStack() as around:
+            for f in self._around:
+                around.enter_context(f())
             if not self.dynamic_rows:
                 return self._fn(batch, cache, self.attention)
             logits = self._fn(batch, cache, self.attention)

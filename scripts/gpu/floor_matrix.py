@@ -33,7 +33,8 @@ decode attention with Triton's default warps and stages at every batch (triton_d
 one_piece=0 skinny.py's kernel reading K = 2048 in pieces of 1024 (skinny.ONE_PIECE, on by default), with
 defer=0 its products of 2-4 rows by K over 2048 summed once a piece (skinny.DEFER, on by default), with carry=1 the step's
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
-as their projections left them (model/fresh.py: fresh.ENABLED; with apart=0 too, the new key folded in by
+as their projections left them (model/fresh.py: fresh.ENABLED; the default for small models, whose steps
+fresh=0 takes off it: fresh.IN_SMALL_COMPILES; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
 RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v in; under the default rule
 only the norm before the gate/up, inside gated.py's product), with
@@ -100,7 +101,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     triton_decode.LEAN), one_piece=0/1 (skinny.ONE_PIECE, on by default), defer=0/1 (skinny.DEFER, on by
     default), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
-    model/fresh.py's ENABLED), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
+    model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
     prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM); every
@@ -108,6 +109,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
+    if modules.get((fresh, "ENABLED")) is False:  # (fresh=0: not by the small models' rule either)
+        modules[(fresh, "IN_SMALL_COMPILES")] = False
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
     if "widest" in inductor:

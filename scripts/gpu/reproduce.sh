@@ -27,7 +27,7 @@
 #   switches   the small-model switches against the default step (floor_matrix.py --variants, 0.6B shape,
 #              batches 1, 4 and 8 in a command each, ~4 minutes each; BATCHES="1 4" runs a part, for a time
 #              limit per command): q/k/v handed to the decode kernel as their
-#              projections left them (fresh=1: model/fresh.py, off); that with the merged q/k/v and gate/up
+#              projections left them (fresh=1: model/fresh.py, the default for small models); that with the merged q/k/v and gate/up
 #              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
 #              speed/prenorm.py, off); and those with the carry-over as one compiled kernel (carry=1, off; the
 #              2048-input product in one piece, one_piece=1, is the default now); not in the default list
@@ -36,9 +36,10 @@
 #              without it (gated=0), with it at one row only (gated_rows=0), and with fresh's path; not in the
 #              default list
 #   target     the small models' compiled decode step against 3x its floor, in one process per model (~8
-#              minutes): the 0.6B shape at batches 1, 4 and 8, the default step, fresh's path (fresh=1) and
-#              that with q/k/v on speed/skinny.py's kernel at one row (widest=1:4096/4:1024); the 1B shape's
-#              default step; not in the default list
+#              minutes): the 0.6B shape at batches 1, 4 and 8, the default step (fresh's path: model/fresh.py's
+#              rule for small models), the step without it (fresh=0) and the default with q/k/v on
+#              speed/skinny.py's kernel at one row (widest=1:4096/4:1024); the 1B shape's default step and the
+#              step without fresh's path; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -107,10 +108,10 @@ for s in $sections; do
                --kernels top --variants "ungated:gated=0" "few:gated_rows=0" "fresh:fresh=1" \
                > "$out/$s/floor.log" 2>&1; grep -A6 "^ \+[148] \+512" "$out/$s/floor.log" ;;
     target) python3 scripts/gpu/floor_matrix.py "$out/$s/q06" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 \
-                --compile --kernels top --variants "fresh:fresh=1" "wide:fresh=1,widest=1:4096/4:1024" \
+                --compile --kernels top --variants "nofresh:fresh=0" "wide:widest=1:4096/4:1024" \
                 > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log"
             python3 scripts/gpu/floor_matrix.py "$out/$s/l1b" --model llama3-1b-shape --batches 1,4,8 --contexts 512 \
-                --compile > "$out/$s/floor_l1b.log" 2>&1; grep "^ \+[148] \+512" "$out/$s/floor_l1b.log" ;;
+                --compile --variants "nofresh:fresh=0" > "$out/$s/floor_l1b.log" 2>&1; grep "^ \+[148] \+512" "$out/$s/floor_l1b.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
