@@ -350,6 +350,26 @@ def small_models_many_rows() -> dict:
     return out
 
 
+def small_models_gated_tiles() -> dict:
+    """gated.py's 2-8-row tiles (K in pieces of 128, 5 stages) from a wider grid: the product alone against the
+    old setting and cuBLAS's product alone (gated_...), the 0.6B step with them (run6) against without (run5),
+    the norm inside the gated kernel (run2 norm, freshnorm), the default with them at 1/4/8 rows beside fresh's
+    path (run7) and again at 4 rows (run8, run9), the 1B's default and fresh steps (l1b_...); H100s."""
+    run = "gpu_small_models_gated_tiles_2026-12-05"
+    out = _by_command(run)
+    ab = json.loads((DATA / "runs" / run / "4_skinny_gemv_gated_qwen3-0.6b-shape.json").read_text())["shapes"]["gate_up"]
+    for m in ("4", "8"):
+        out[f"gated_b{m}_ms"] = ab[m]["triton_ms"]
+        out[f"gated_b{m}_cublas_product_ms"] = ab["cublas_product_ms"][m]
+        old = dict(block_n=32, block_k=256, warps=4, stages=4, split=1, dot=True)
+        out[f"gated_b{m}_old_ms"] = next(t for t, c in ab[m]["all"] if c == old)
+    for p in json.loads((DATA / "runs" / run / "10_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
+        for path in ("compile", "fresh"):
+            out[f"l1b_b{p['batch']}_{path}_ms"] = p[path]["ms"]
+            out[f"l1b_b{p['batch']}_{path}_x"] = p[path]["over_floor"]
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -404,7 +424,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
-            "small_models_many_rows": small_models_many_rows}
+            "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -464,7 +484,12 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "8_floor_matrix_qwen3-0.6b-shape_b1_4")],
            "small_models_many_rows": [f"figures/data/runs/gpu_small_models_many_rows_2026-12-05/{f}.json" for f in (
                "2_floor_matrix_qwen3-0.6b-shape_b1_4", "3_floor_matrix_qwen3-0.6b-shape_b8",
-               "4_floor_matrix_llama3-1b-shape_b1_4_8")]}
+               "4_floor_matrix_llama3-1b-shape_b1_4_8")],
+           "small_models_gated_tiles": [f"figures/data/runs/gpu_small_models_gated_tiles_2026-12-05/{f}.json" for f in (
+               "2_floor_matrix_qwen3-0.6b-shape_b4", "4_skinny_gemv_gated_qwen3-0.6b-shape",
+               "5_floor_matrix_qwen3-0.6b-shape_b4_before", "6_floor_matrix_qwen3-0.6b-shape_b4_tiles",
+               "7_floor_matrix_qwen3-0.6b-shape_b1_4_8", "8_floor_matrix_qwen3-0.6b-shape_b4_again",
+               "9_floor_matrix_qwen3-0.6b-shape_b4_again", "10_floor_matrix_llama3-1b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
