@@ -700,8 +700,15 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # compiled step at every batch (0.94, 1.11 and 1.24 ms <!-- from figures/data/headline.json: small_models_apart.q06_b1_run2_compile_ms, small_models_apart.q06_b4_run4_compile_ms, small_models_apart.q06_b8_run4_compile_ms --> in the same runs). The same idea pushed further
 # failed: letting the last program of each row and head combine the splits, instead of a second small
 # kernel, made the step slower (0.93 to 0.97 ms <!-- from figures/data/headline.json: small_models_apart.q06_b1_run6_apart_ms, small_models_apart.q06_b1_run6_one_ms --> at one row), because that combine now waits for the
-# slowest split and runs after it on one program. The fresh path stays off by default (`fresh.ENABLED`)
-# until it is timed on the 8B model and in the server.
+# slowest split and runs after it on one program. Timed once more beside the default step at every
+# batch, with the 1B model too, it stayed 1-2% faster, and at four rows it showed a second reason to
+# want it: the default compile's combined norm-and-rotary kernel, whose shape Inductor picks by timing
+# it while compiling, came out at 5.6 instead of 2.2 microseconds a layer, and that step lost 0.09 ms
+# (1.25 against fresh's 1.15 ms <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run7_compile_ms, small_models_gated_tiles.q06_b4_run7_fresh_ms -->). A kernel that is not there cannot be compiled badly. So the fresh
+# path is on in the compiled steps of small models on a GPU (`fresh.IN_SMALL_COMPILES`: static rows,
+# hidden size up to 2048, where it was timed); eager steps, the server's compile for any batch size
+# and the 8B model keep the layers' own forward until it is timed there (`fresh.ENABLED` turns it on
+# anywhere).
 #
 # A second experiment goes after the other small kernel of every half-layer: the residual add and
 # RMSNorm before the q/k/v and gate/up products (`minibatch/speed/prenorm.py`). Every program of our
@@ -742,8 +749,12 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # takes 1-8 rows (timed again on another H100: 1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b4_run2_few_ms, small_models_many_rows.q06_b4_run2_compile_ms --> at four rows, 1.39 to 1.36 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b8_run3_few_ms, small_models_many_rows.q06_b8_run3_compile_ms --> at
 # eight). That reopens the residual-add-and-norm experiment above: with the gate/up product on our
 # kernel by default, the norm before it can go inside the gated product without moving any product off
-# cuBLAS (`prenorm.fuse` now does that too, as `minibatch::skinny_norm_gated`). It is built and tested, not
-# yet timed. What is left is the number of kernels itself.
+# cuBLAS (`prenorm.fuse` now does that too, as `minibatch::skinny_norm_gated`). Timed, it lost again: the
+# 28 norm kernels went, and the gated products, now reading two more inputs a piece, took longer than
+# they saved (1.16 to 1.18 ms <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run2_compile_ms, small_models_gated_tiles.q06_b4_run2_norm_ms --> at four rows). The gated kernel's own tiles did better: a wider search of
+# its settings (128 inputs a piece, five pipeline stages) made the four-row product alone as fast as
+# cuBLAS's (0.192 against 0.191 ms <!-- from figures/data/headline.json: small_models_gated_tiles.gated_b4_ms, small_models_gated_tiles.gated_b4_cublas_product_ms --> for 28), and it is the default now. What is left is the number of
+# kernels itself.
 
 # %% [markdown]
 # ## 4. Where asynchrony helps most
@@ -923,11 +934,11 @@ else:
 #   the compiled graph to 5.4 ms <!-- from figures/data/headline.json: decode_step.merged_ms --> at batch 32 (the last three from whole runs, section 1's command): 1.16-1.41x <!-- from figures/data/headline.json: floor_matrix.compile_min, floor_matrix.compile_max --> the full floor (weights plus keys and values)
 #   from 1 to 128 rows, bounded by the matrix products and by kernel count.
 # * A small model's step is bound by its count of kernels, not its bytes. A few-row product kernel of our
-#   own, early launches, combined kernels, a two-step argmax and the activation inside the gate/up product
-#   took the 0.6B compiled step at batch 1 from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> its floor (every product on cuBLAS, H200) to 2.36x <!-- from figures/data/headline.json: small_models_many_rows.q06_b1_run2_compile_x --> on an
-#   H100 (2.43-2.44x <!-- from figures/data/headline.json: small_models_many_rows.q06_b4_run2_compile_x, small_models_many_rows.q06_b8_run3_compile_x --> at 4 and 8 rows); the H200, with its lower floor, was last timed at 3.13-3.28x <!-- from figures/data/headline.json: small_models_apart.q06_b8_run6_compile_x, small_models_apart.q06_b4_run6_compile_x -->,
-#   before the activation moved into the product. What is left is ~270 kernels a step, each a few
-#   microseconds long.
+#   own, early launches, combined kernels, a two-step argmax, the activation inside the gate/up product
+#   and the attention's neighbours inside its kernel took the 0.6B compiled step at batch 1 from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> its
+#   floor (every product on cuBLAS, H200) to 2.34x <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b1_run7_fresh_x --> on an H100 (2.42x and 2.38x <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run7_fresh_x, small_models_gated_tiles.q06_b8_run7_fresh_x --> at 4 and 8 rows); the
+#   H200, with its lower floor, was last timed at 3.13-3.28x <!-- from figures/data/headline.json: small_models_apart.q06_b8_run6_compile_x, small_models_apart.q06_b4_run6_compile_x -->, before the activation moved into the product.
+#   What is left is ~240 kernels a step, each a few microseconds long.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
 #
