@@ -229,51 +229,6 @@ def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, mon
     assert shape["intermediate_size"] in ups
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_the_norm_inside_the_gated_kernel_gives_the_eager_tokens(rows, monkeypatch):
-    """speed/prenorm.py (ENABLED) with skinny.py's default rule, in a two-layer model of the 0.6B shape's widths
-    (float32): only the norm before each gate/up goes into a kernel (gated.py's, skinny_norm_gated), q/k/v stay
-    on cuBLAS; the eager tokens, sync and async, and the kernel took the norm and the gate."""
-    from minibatch.model import model as model_module
-    from minibatch.speed import prenorm, skinny
-
-    shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
-    monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
-    monkeypatch.setattr(prenorm, "ENABLED", True)
-    took = []  # (a norm, a gate) of each launch of skinny.py's kernel
-    real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda *a, **k: took.append((k.get("pre") is not None,
-                                                                       k.get("up") is not None)) or real_launch(*a, **k))
-    model, work, kw, eager = small_qwen3_run(18, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
-    torch._dynamo.reset()
-    compiled_runs_give(eager, model, work, kw)
-    assert (True, True) in took and (True, False) not in took  # (the gate/up's norm only: q/k/v on cuBLAS)
-    assert (False, True) not in took  # (every gated product took its norm)
-
-
-def test_the_norms_inside_the_skinny_kernel_give_the_eager_tokens(monkeypatch):
-    """speed/prenorm.py (ENABLED, with a rule that lets every product of this small model onto skinny.py's
-    kernel): the compiled step's residual adds and RMSNorms run inside the products' kernel (the gate/up's
-    inside gated.py's product: skinny_norm_gated), with the eager tokens (float32, sync and async; with
-    fresh.py's path too)."""
-    from minibatch.model import fresh
-    from minibatch.speed import prenorm, skinny
-
-    fused = []
-    real_fuse = prenorm.fuse
-    monkeypatch.setattr(prenorm, "fuse", lambda *a: fused.append(real_fuse(*a)) or fused[-1])
-    monkeypatch.setattr(prenorm, "ENABLED", True)
-    monkeypatch.setattr(skinny, "WIDEST", {8: 8192})
-    model, work, kw, own = small_qwen3_run(12)
-    torch._dynamo.reset()  # (a step compiled by an earlier test would be reused, and the pass not run)
-    compiled_runs_give(own, model, work, kw)
-    assert fused and set(fused) == {2 * model.num_layers - 1}
-    fresh.install(model.hf)
-    monkeypatch.setattr(fresh, "ENABLED", True)
-    torch._dynamo.reset()
-    compiled_runs_give(own, model, work, kw, modes=("async",))
-
-
 def test_compiled_steps_of_few_rows_run_the_skinny_kernel_with_the_eager_tokens(monkeypatch):
     """Decode steps of 1-4 rows: the compiled step sends its narrow products (all of them in this small
     model) to speed/skinny.py's operator, which launches the kernel, and gives the eager tokens

@@ -60,7 +60,6 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..speed import compiled
-from ..speed.prenorm import rms_norm
 from ..speed.skinny import flat_rows
 from . import triton_decode
 from .attention import attend_rows, decode_mask
@@ -143,6 +142,13 @@ def _forward(self, *args, **kwargs):
         meta.cache.keys[layer], meta.cache.values[layer], b.cell_mapping, b.kv_indices, b.kv_seq, b.kv_pos,
         b.positions, b.rows(), int(window or 0), float(self.scaling), meta.decode_attention == "triton")
     return self.o_proj(out.reshape(*hidden.shape[:-1], -1)), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama's, Qwen3's): in float32, then back to the input's dtype, then the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 # Why a custom operator: as triton_decode.paged_decode (Inductor calls the kernel as it is); it writes the

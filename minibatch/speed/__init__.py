@@ -4,7 +4,6 @@
     siblings.py   q/k/v and gate/up as one matrix product inside compiled steps                     07
     fx_edits.py   the graph edits that siblings.py's passes (and the ones below) share              07
     skinny.py     a Triton kernel for products of a few rows by a narrow weight (small models)      07
-    prenorm.py    the residual add and RMSNorm inside that kernel's products (an experiment, off)  07
     gated.py      silu(gate) * up inside that kernel's gate/up product (small models, 1-8 rows)    07
     early.py      kernels launched before the one before them ends (Hopper; compiled steps)         07
     wide_argmax.py  the argmax over a vocabulary in two steps, inside compiled steps                07

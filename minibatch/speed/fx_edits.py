@@ -3,7 +3,7 @@
 A torch.compile backend receives the step's FX graph before Inductor compiles it, with the tensors it
 was called with. siblings.py's backend runs passes over it, each a few lines of "find a node, put a
 call in its place": `siblings.merge` (sibling projections as one product), `skinny.route` (few-row
-products to skinny.py's kernel), `gated.fuse` and `prenorm.fuse` (more work inside that kernel) and
+products to skinny.py's kernel), `gated.fuse` (the activation inside that kernel) and
 `wide_argmax.split`. What they all need is here, so that each pass reads as what it looks for:
 
     real = placeholders(gm, example_inputs)          the graph's inputs -> the tensors behind them

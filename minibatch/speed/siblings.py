@@ -174,8 +174,8 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 
 class _Backend:
-    """`merge` (with `merging`), then skinny.route (with `skinny`; and then, each with its ENABLED,
-    gated.fuse and prenorm.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
+    """`merge` (with `merging`), then skinny.route (with `skinny`; and then, with its ENABLED,
+    gated.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
     options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed`
     and `argmaxes`: per compile, how many linear calls went into a sibling's, how many to the skinny
     kernel, and how many argmax calls over a vocabulary became two steps (wide_argmax.py)."""
@@ -188,13 +188,11 @@ class _Backend:
         if self.merging:
             self.merged.append(merge(gm, example_inputs))
         if self.skinny:
-            from . import gated, prenorm, skinny
+            from . import gated, skinny
 
             self.routed.append(skinny.route(gm, example_inputs))
             if gated.ENABLED:  # (on by default: gated.py)
                 gated.fuse(gm, example_inputs)
-            if prenorm.ENABLED:  # (an experiment, off: prenorm.py; after gated.fuse, whose products it takes too)
-                prenorm.fuse(gm, example_inputs)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 

@@ -55,29 +55,6 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_rstd(x_rows, r_rows, h_rows, inside_m, K, eps, write, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """(prenorm.py) RMSNorm's 1 / rms of each row of h = x + r (rounded to x's dtype), over all of K;
-        where `write`, h itself is stored (the model's residual stream)."""
-        rk = tl.arange(0, BLOCK_K)
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            kk = start + rk[None, :]
-            mask = inside_m & (kk < K)
-            x = tl.load(x_rows + kk, mask=mask, other=0.0)
-            h = (x.to(tl.float32) + tl.load(r_rows + kk, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            if write:
-                tl.store(h_rows + kk, h, mask=mask)
-            squares += tl.sum(h.to(tl.float32) * h.to(tl.float32), 1)
-        return tl.rsqrt(squares / K + eps)
-
-    @triton.jit
-    def _normed(x, r, nw, rstd):
-        """(prenorm.py) RMSNorm(x + r) with weight nw, each step rounded as transformers' RMSNorm rounds it."""
-        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        n = (h.to(tl.float32) * rstd[:, None]).to(x.dtype)
-        return (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(x.dtype)
-
-    @triton.jit
     def _glu(gate, up, dtype: tl.constexpr):
         """(gated.py) silu(gate) * up from float32 sums: each rounded to `dtype` first, then each op rounded as
         PyTorch's own ops on `dtype` tensors round it (silu in float32, the product in float32)."""
@@ -113,11 +90,10 @@ if triton is not None:
         return acc, apart
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, r_ptr, nw_ptr, h_ptr, srm, shm, eps,
-                       up_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, PRE: tl.constexpr, DEFER: tl.constexpr, GATE: tl.constexpr,
-                       IEEE: tl.constexpr):
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, up_offset, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
+                       DOT: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, DEFER: tl.constexpr,
+                       GATE: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -139,17 +115,11 @@ if triton is not None:
                 if GATE:
                     prefetch_l2(w_lines + up_offset + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
-        if PRE:  # x is RMSNorm(x + r) (prenorm.py): the rows' 1 / rms first, from all of K
-            rstd = _row_rstd(x_rows, r_ptr + rm[:, None] * srm, h_ptr + rm[:, None] * shm, rm[:, None] < M, K, eps,
-                             pid_n + pid_k == 0, BLOCK_M, BLOCK_K)
         for i in tl.range(0, pieces, num_stages=STAGES):
             kk = start + i * BLOCK_K + rk
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if PRE:
-                r = tl.load(r_ptr + rm[:, None] * srm + kk[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-                x = _normed(x, r, tl.load(nw_ptr + kk, mask=kk < K, other=0.0), rstd)
             acc, apart = _add_piece(x, w, acc, apart, DOT, DEFER, IEEE)
             if GATE:
                 w_up = tl.load(w_rows + up_offset + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
@@ -178,10 +148,8 @@ if triton is not None:
         tl.store(y_ptr + (i // N) * sym + i % N, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre: tuple | None = None,
-           up: int | None = None) -> None:
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up: int | None = None) -> None:
     """y = x @ w.T, x [M, K] (a few rows: 16 at most), w [N, K], y [M, N], each with contiguous rows.
-    `pre` (prenorm.py): (r, norm_weight, h, eps): y = RMSNorm(x + r) @ w.T, and h = x + r stored.
     `up` (gated.py): y = silu(x @ w[:N].T) * (x @ w[up:up + N].T), N = y's columns, w [at least up + N, K]
     (the merged gate/up weight, from the gate's first row); not with a split.
 
@@ -203,13 +171,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, pre
             raise ValueError(f"a gated product takes w's rows [0, {N}) and [{up}, {up + N}) of {w.shape[0]}, "
                              f"without a split (split {split})")
     target = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    r, norm_weight, h, eps = pre or (x, x, x, 0.0)
     _skinny_kernel[(triton.cdiv(N, block_n), split)](
-        x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), r, norm_weight, h, r.stride(0),
-        h.stride(0), float(eps), (up or 0) * w.stride(0),
+        x, w, target, M, N, K, pieces, x.stride(0), w.stride(0), y.stride(0), (up or 0) * w.stride(0),
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
-        PRE=pre is not None, DEFER=setting.get("defer", False) and not dot, GATE=up is not None,
+        DEFER=setting.get("defer", False) and not dot, GATE=up is not None,
         IEEE=x.dtype == torch.float32, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:

@@ -711,13 +711,13 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # anywhere).
 #
 # A second experiment goes after the other small kernel of every half-layer: the residual add and
-# RMSNorm before the q/k/v and gate/up products (`minibatch/speed/prenorm.py`). Every program of our
+# RMSNorm before the q/k/v and gate/up products (`speed/prenorm.py`, since removed). Every program of our
 # few-row product kernel reads the whole normalized row anyway, so it can add the two inputs, take the
 # row's root mean square and scale each piece as it streams the weight; a graph pass finds the norm's
 # eight ops in the compiled step and hands them to the kernel. It needs those wide products on our
 # kernel, which its rule keeps on cuBLAS by default, so it is timed together with a wider rule, and
 # that is what sank it: the norm kernels went, but at 4 and 8 rows the wide products ran 0.2-0.3 ms
-# slower on our kernel than on cuBLAS, the whole step 1.20 and 1.43 ms <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_prenorm_ms, small_models_fresh.q06_b8_run1_prenorm_ms -->. It stays off too.
+# slower on our kernel than on cuBLAS, the whole step 1.20 and 1.43 ms <!-- from figures/data/headline.json: small_models_fresh.q06_b4_run1_prenorm_ms, small_models_fresh.q06_b8_run1_prenorm_ms -->.
 #
 # A third experiment asked the memory for weights before the products need them. The merged q/k/v and
 # gate/up products on cuBLAS take about twice the time their bytes need, while the attention kernel
@@ -749,9 +749,9 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # takes 1-8 rows (timed again on another H100: 1.19 to 1.17 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b4_run2_few_ms, small_models_many_rows.q06_b4_run2_compile_ms --> at four rows, 1.39 to 1.36 ms <!-- from figures/data/headline.json: small_models_many_rows.q06_b8_run3_few_ms, small_models_many_rows.q06_b8_run3_compile_ms --> at
 # eight). That reopens the residual-add-and-norm experiment above: with the gate/up product on our
 # kernel by default, the norm before it can go inside the gated product without moving any product off
-# cuBLAS (`prenorm.fuse` now does that too, as `minibatch::skinny_norm_gated`). Timed, it lost again: the
+# cuBLAS, so the pass learned to do that too. Timed, it lost again: the
 # 28 norm kernels went, and the gated products, now reading two more inputs a piece, took longer than
-# they saved (1.16 to 1.18 ms <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run2_compile_ms, small_models_gated_tiles.q06_b4_run2_norm_ms --> at four rows). The gated kernel's own tiles did better: a wider search of
+# they saved (1.16 to 1.18 ms <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run2_compile_ms, small_models_gated_tiles.q06_b4_run2_norm_ms --> at four rows), and its code was removed. The gated kernel's own tiles did better: a wider search of
 # its settings (128 inputs a piece, five pipeline stages) made the four-row product alone as fast as
 # cuBLAS's (0.192 against 0.191 ms <!-- from figures/data/headline.json: small_models_gated_tiles.gated_b4_ms, small_models_gated_tiles.gated_b4_cublas_product_ms --> for 28), and it is the default now. What is left is the number of
 # kernels itself.

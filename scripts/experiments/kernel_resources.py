@@ -47,21 +47,20 @@ def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> 
                 WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
 
-def skinny_settings(rows: int, pdl: bool, n: int = 1024, pre: bool = False) -> dict:
+def skinny_settings(rows: int, pdl: bool, n: int = 1024) -> dict:
     """skinny.launch's constants for `rows` rows at the setting skinny.settings ships (for an n-column product
-    that `WIDEST` lets in); `pre`: with speed/prenorm.py's residual add and RMSNorm."""
+    that `WIDEST` lets in)."""
     saved, skinny.WIDEST = skinny.WIDEST, {8: 8192}
     s = skinny.settings(rows, n, 1024)
     skinny.WIDEST = saved
-    return _skinny_constants(s, rows, pdl, pre=pre)
+    return _skinny_constants(s, rows, pdl)
 
 
-def _skinny_constants(s: dict, rows: int, pdl: bool, pre: bool = False, gate: bool = False,
-                      fp32: bool = False) -> dict:
+def _skinny_constants(s: dict, rows: int, pdl: bool, gate: bool = False, fp32: bool = False) -> dict:
     """skinny.launch's constants for setting `s` (and, with `fp32`, float32 pointers: `_ptr_type`)."""
     dot = s.get("dot", False)
     out = dict(BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(rows)), BLOCK_N=s["block_n"], BLOCK_K=s["block_k"],
-               STAGES=s["stages"], SPLIT=False, DOT=dot, PDL=pdl, LINE=64 if not fp32 else 32, PRE=pre,
+               STAGES=s["stages"], SPLIT=False, DOT=dot, PDL=pdl, LINE=64 if not fp32 else 32,
                DEFER=s.get("defer", False) and not dot, GATE=gate, IEEE=fp32)
     return {**out, "_ptr_type": "*fp32"} if fp32 else out
 
@@ -89,24 +88,21 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
         ints = dict(M=rows, N=1024, K=2048, pieces=2048 // c["BLOCK_K"], sxm=2048, swn=2048, sym=1024)
         label = f"skinny product, {rows} row{'s' * (rows > 1)}, pdl={int(pdl)}"
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
-    for rows, pre in ((1, False), (1, True), (4, False), (4, True)):  # the 0.6B merged q/k/v product (4096 x 1024)
-        c = skinny_settings(rows, True, n=4096, pre=pre)  # with a rule that lets it in; 8 rows: as 4 (16-row tiles)
-        ints = dict(M=rows, N=4096, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=4096, srm=1024,
-                    shm=1024)
-        label = f"skinny{' + norm' * pre}, q/k/v, {rows} row{'s' * (rows > 1)}, pdl=1"
+    for rows in (1, 4):  # the 0.6B merged q/k/v product (4096 x 1024)
+        c = skinny_settings(rows, True, n=4096)  # with a rule that lets it in; 8 rows: as 4 (16-row tiles)
+        ints = dict(M=rows, N=4096, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=4096)
+        label = f"skinny, q/k/v, {rows} row{'s' * (rows > 1)}, pdl=1"
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
-    # the 0.6B merged gate/up product with silu(gate) * up inside (gated.py; 3072 outputs x 1024 inputs), and
-    # with the norm before it too (prenorm.py's skinny_norm_gated, the same setting); float32 as the GPU tests'
-    # models run it (2 stages: gated.chosen_setting)
-    for rows, pre, fp32 in ((1, False, False), (4, False, False), (4, True, False), (8, True, False),
-                            (4, False, True), (4, True, True)):
+    # the 0.6B merged gate/up product with silu(gate) * up inside (gated.py; 3072 outputs x 1024 inputs); float32
+    # as the GPU tests' models run it (2 stages: gated.chosen_setting)
+    for rows, fp32 in ((1, False), (4, False), (8, False), (4, True)):
         s = gated.settings(rows, 3072, 1024)
         if fp32 and s.get("dot"):
             s = {**s, "stages": 2}
-        c = _skinny_constants(s, rows, True, pre=pre, gate=True, fp32=fp32)
-        ints = dict(M=rows, N=3072, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=3072, srm=1024,
-                    shm=1024, up_offset=3072 * 1024)
-        label = (f"skinny gated{' + norm' * pre}, gate/up, {rows} row{'s' * (rows > 1)}, "
+        c = _skinny_constants(s, rows, True, gate=True, fp32=fp32)
+        ints = dict(M=rows, N=3072, K=1024, pieces=1024 // c["BLOCK_K"], sxm=1024, swn=1024, sym=3072,
+                    up_offset=3072 * 1024)
+        label = (f"skinny gated, gate/up, {rows} row{'s' * (rows > 1)}, "
                  f"{'float32' if fp32 else 'bf16'}, {c['STAGES']} stages, pdl=1")
         out.append((label, skinny._skinny_kernel, c, ints, 4, c["STAGES"]))
     return out

@@ -35,9 +35,7 @@ defer=0 its products of 2-4 rows by K over 2048 summed once a piece (skinny.DEFE
 carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v handed to the decode kernel
 as their projections left them (model/fresh.py: fresh.ENABLED; the default for small models, whose steps
 fresh=0 takes off it: fresh.IN_SMALL_COMPILES; with apart=0 too, the new key folded in by
-the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with prenorm=1 the residual add and
-RMSNorm inside skinny.py's products (speed/prenorm.py: with a widest=... that lets q/k/v in; under the default rule
-only the norm before the gate/up, inside gated.py's product), with
+the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with
 gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at 1-8 rows; gated_rows=0 at one row only).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
@@ -68,7 +66,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, gated, prenorm, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, gated, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -88,7 +86,7 @@ def parse_setting(text: str) -> tuple:
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
-            "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"), "prenorm": (prenorm, "ENABLED"),
+            "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
             "gated_rows": (gated, "MANY_ROWS")}
 
@@ -102,8 +100,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     default), carry=0/1 (the carry-over as one compiled
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
-    default: triton_decode.NEW_KEY_APART), prenorm=0/1 (the residual add and RMSNorm in skinny.py's products:
-    prenorm.ENABLED), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
+    default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM); every
     other name is Inductor config."""
     label, _, changes = spec.partition(":")
@@ -221,8 +218,7 @@ def main() -> None:
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
-                         "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); prenorm=1 sets speed/prenorm.py's "
-                         "ENABLED; per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM")
+                         "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM")
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")

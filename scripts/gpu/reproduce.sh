@@ -26,15 +26,14 @@
 #              shape's products alone at every kernel setting (experiments/skinny_gemv_ab.py)
 #   switches   the small-model switches against the default step (floor_matrix.py --variants, 0.6B shape,
 #              batches 1, 4 and 8 in a command each, ~4 minutes each; BATCHES="1 4" runs a part, for a time
-#              limit per command): q/k/v handed to the decode kernel as their
-#              projections left them (fresh=1: model/fresh.py, the default for small models); that with the merged q/k/v and gate/up
-#              products on speed/skinny.py's kernel with the residual add and RMSNorm inside (widest=..., prenorm=1:
-#              speed/prenorm.py, off); and those with the carry-over as one compiled kernel (carry=1, off; the
-#              2048-input product in one piece, one_piece=1, is the default now); not in the default list
+#              limit per command): the step without q/k/v handed to the decode kernel as their projections
+#              left them (fresh=0: model/fresh.py, the default for small models); the merged q/k/v and gate/up
+#              products on speed/skinny.py's kernel (widest=...); that with the carry-over as one compiled
+#              kernel (carry=1, off); not in the default list
 #   gated      the 0.6B shape's gate/up product with silu(gate) * up inside (speed/gated.py) alone against
 #              cuBLAS (experiments/skinny_gemv_ab.py --grid gated), and the compiled step at batches 1, 4 and 8
-#              without it (gated=0), with it at one row only (gated_rows=0), and with fresh's path; not in the
-#              default list
+#              without it (gated=0), with it at one row only (gated_rows=0), and without fresh's path (fresh=0);
+#              not in the default list
 #   target     the small models' compiled decode step against 3x its floor, in one process per model (~8
 #              minutes): the 0.6B shape at batches 1, 4 and 8, the default step (fresh's path: model/fresh.py's
 #              rule for small models), the step without it (fresh=0) and the default with q/k/v on
@@ -98,14 +97,14 @@ for s in $sections; do
     switches) wide="widest=1:8192/4:8192/8:8192"
               for b in ${BATCHES:-1 4 8}; do
                 python3 scripts/gpu/floor_matrix.py "$out/$s/b$b" --model qwen3-0.6b-shape --batches $b --contexts 512 \
-                    --compile --kernels top --variants "fresh:fresh=1" "prenorm:fresh=1,$wide,prenorm=1" \
-                    "all:fresh=1,$wide,prenorm=1,one_piece=1,carry=1" > "$out/$s/floor_b$b.log" 2>&1
+                    --compile --kernels top --variants "nofresh:fresh=0" "wide:$wide" \
+                    "all:$wide,carry=1" > "$out/$s/floor_b$b.log" 2>&1
                 tail -8 "$out/$s/floor_b$b.log"
               done ;;
     gated) python3 scripts/experiments/skinny_gemv_ab.py "$out/$s" --rows 1,4,8 --grid gated > "$out/$s/gated_ab.log" 2>&1
            tail -5 "$out/$s/gated_ab.log"
            python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
-               --kernels top --variants "ungated:gated=0" "few:gated_rows=0" "fresh:fresh=1" \
+               --kernels top --variants "ungated:gated=0" "few:gated_rows=0" "nofresh:fresh=0" \
                > "$out/$s/floor.log" 2>&1; grep -A6 "^ \+[148] \+512" "$out/$s/floor.log" ;;
     target) python3 scripts/gpu/floor_matrix.py "$out/$s/q06" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 \
                 --compile --kernels top --variants "nofresh:fresh=0" "wide:widest=1:4096/4:1024" \
