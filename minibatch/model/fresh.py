@@ -70,7 +70,7 @@ from .attention import attend_rows, decode_mask
 FAMILIES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 
 #: Whether decode-layout steps take this path (read when a step is traced: set it before compiling). Off: only
-#: the compiled steps that speed/compiled.py's rule picks take it (`turned_on`, around their calls).
+#: the compiled steps that IN_SMALL_COMPILES's rule picks take it (`turned_on`, around their calls).
 ENABLED = False
 
 
