@@ -120,6 +120,18 @@ def test_the_carry_over_as_one_compiled_kernel_gives_the_same_tokens(monkeypatch
     assert compiled_runs_give(eager, model, work, kw).carry_over is not None
 
 
+def fresh_of_each_launch(monkeypatch) -> list:
+    """A list that gets, for each launch of the Triton decode kernel from now on, its `fresh` argument (None:
+    the layers' own q/k/v path)."""
+    from minibatch.model import triton_decode
+
+    launches = []
+    real_launch = triton_decode.launch
+    monkeypatch.setattr(triton_decode, "launch",
+                        lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    return launches
+
+
 def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
     """model/fresh.py (ENABLED): decode steps hand the projections' q/k/v to the Triton decode kernel, which
     norms, rotates and caches them itself: the tokens of the layers' own forward (float32, Qwen3's q/k
@@ -130,10 +142,7 @@ def test_the_fresh_path_gives_the_eager_tokens_compiled_or_not(monkeypatch):
         pytest.skip("needs triton")
     model, work, kw, own = small_qwen3_run(11)
     assert fresh.install(model.hf) == model.num_layers
-    launches = []
-    real_launch = triton_decode.launch
-    monkeypatch.setattr(triton_decode, "launch",
-                        lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    launches = fresh_of_each_launch(monkeypatch)
     monkeypatch.setattr(fresh, "ENABLED", True)
     assert minibatch.generate(model, work, cuda_graphs=False, **kw) == own
     assert launches and all(f is not None for f in launches)
@@ -148,10 +157,7 @@ def test_a_small_models_compiled_step_takes_the_fresh_path_by_default(monkeypatc
     if not triton_decode.available():
         pytest.skip("needs triton")
     model, work, kw, own = small_qwen3_run(12)
-    launches = []
-    real_launch = triton_decode.launch
-    monkeypatch.setattr(triton_decode, "launch",
-                        lambda *a, **k: launches.append(k.get("fresh")) or real_launch(*a, **k))
+    launches = fresh_of_each_launch(monkeypatch)
     compiled_runs_give(own, model, work, kw)
     assert any(f is not None for f in launches) and not fresh.ENABLED
     launches.clear()
