@@ -40,6 +40,18 @@ def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypa
     assert skinny.settings(9, 1024, 1024) is None
 
 
+def test_timed_settings_take_their_products_whatever_the_rule(monkeypatch):
+    """TIMED (an experiment's settings, floor_matrix.py --skinny-settings): a product with its (rows, n, k) gets
+    that setting even where WIDEST would leave it on cuBLAS; every other product keeps the rule, other row
+    counts of the same shape included; a caller's change to the returned setting leaves TIMED as it was."""
+    tile = dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
+    monkeypatch.setattr(skinny, "TIMED", {(4, 4096, 1024): tile})
+    assert skinny.settings(4, 4096, 1024) == tile and skinny.settings(1, 4096, 1024) is None
+    assert skinny.settings(4, 1024, 2048) == dict(block_n=4, block_k=2048, warps=4, stages=3)
+    skinny.settings(4, 4096, 1024)["stages"] = 2
+    assert skinny.TIMED[(4, 4096, 1024)]["stages"] == 5
+
+
 def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
     """ONE_PIECE (on): K of 2048 in one piece on products of at most 1024 columns (what timed faster, alone
     and in the 0.6B step), larger K in pieces of 1024 (or, DEFER, of 512 with 2-4 rows), and the 1B model's

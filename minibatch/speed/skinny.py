@@ -202,7 +202,10 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     takes get the setting that timed best for them alone: more than 4 rows, or 2-4 rows on a product
     wider than 2048 columns (the 0.6B model's merged q/k/v and gate/up), run on tensor cores, 32 columns
     per program, K in pieces of 256, 4 pipeline stages (plain multiply-adds took 1.2-2x longer there).
+    TIMED, where it has (rows, n, k), takes the place of all this, WIDEST included.
     """
+    if (rows, n, k) in TIMED:
+        return dict(TIMED[(rows, n, k)])
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
     if n > widest:
         return None
@@ -212,6 +215,11 @@ def settings(rows: int, n: int, k: int) -> dict | None:
         return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     whole = ONE_PIECE and k == 2048 and n <= 1024
     return dict(block_n=4, block_k=k if whole else 1024, warps=4, stages=3)
+
+
+#: Settings timed elsewhere, by (rows, n, k), that take the place of `settings`' rule for those products, WIDEST
+#: included (floor_matrix.py --skinny-settings: the best of skinny_gemv_ab.py's grid, for one variant's paths).
+TIMED: dict[tuple[int, int, int], dict] = {}
 
 
 #: K in one piece where it is 2048 and the product has at most 1024 columns (the 0.6B attention output):

@@ -11,7 +11,8 @@ the floor is the weights' bytes at the copy bandwidth measured here. The kernel 
 programmatic dependent launch (speed/early.py), like cuBLAS's: each product starts after the last. Checks each result against
 cuBLAS's within bf16 rounding. `--grid gated`: the merged gate/up product with silu(gate) * up
 inside the kernel (speed/gated.py), against cuBLAS's product followed by PyTorch's silu and product (two more
-kernels; a compiled step runs one). Prints each shape's best setting and the model's products summed
+kernels; a compiled step runs one). `--grid tiles`: the shipped setting against those tensor-core tiles, on plain
+products (floor_matrix.py --skinny-settings takes the best into a step). Prints each shape's best setting and the model's products summed
 (cuBLAS, the kernel's best, the floor), and writes OUTDIR/skinny_gemv_MODEL.json with every timing.
 """
 
@@ -51,8 +52,9 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b-shape", choices=[n for n in RANDOM_CONFIGS if "shape" in n])
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--shapes", default=None, help="the products to time, e.g. o,down (default: all)")
-    ap.add_argument("--grid", choices=["all", "defer", "gated"], default="all",
+    ap.add_argument("--grid", choices=["all", "defer", "gated", "tiles"], default="all",
                     help="defer: only the shipped settings and the kernel's `defer` ones (sums over K after the loop); "
+                         "tiles: the shipped settings and tensor-core tiles as --grid gated's, without the activation; "
                          "gated: the gate/up product with silu(gate) * up inside the kernel (speed/gated.py), "
                          "against cuBLAS's product followed by PyTorch's silu and product")
     args = ap.parse_args()
@@ -74,11 +76,13 @@ def main() -> None:
         grid = [dict(block_n=4, block_k=k, warps=4, stages=3, split=1) for k in (1024, 2048)] + [
             dict(block_n=n, block_k=k, warps=w, stages=s, split=1, defer=True)
             for n, k, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
+    tiles = [dict(block_n=n, block_k=k, warps=w, stages=s, split=1, dot=True)
+             for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4, 5))]
+    if args.grid == "tiles":  # (the shipped plain setting and skinny.py's wide tile first)
+        grid = [dict(block_n=4, block_k=1024, warps=4, stages=3, split=1)] + tiles
     if args.grid == "gated":  # (gated.py's own settings first)
         grid = [dict(block_n=n, block_k=k, warps=w, stages=3, split=1, defer=d)
-                for n, k, w, d in itertools.product((4, 8), (512, 1024), (4, 8), (False, True))] + [
-            dict(block_n=n, block_k=k, warps=w, stages=s, split=1, dot=True)
-            for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4, 5))]
+                for n, k, w, d in itertools.product((4, 8), (512, 1024), (4, 8), (False, True))] + tiles
         args.shapes = "gate_up"
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]

@@ -83,6 +83,11 @@ def parse_setting(text: str) -> tuple:
     return name, int(value) if value.lstrip("-").isdigit() else value
 
 
+#: --skinny-settings' settings {(rows, n, k): setting}, skinny.TIMED in variants with skinny_timed=1 (filled before
+#: the variants' paths compile)
+SKINNY_TIMED: dict = {}
+
+
 #: a variant's on/off names for module settings (parse_variant), and the (module, attribute) each sets
 SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
@@ -101,8 +106,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
-    per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM); every
-    other name is Inductor config."""
+    per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
+    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
@@ -110,6 +115,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(fresh, "IN_SMALL_COMPILES")] = False
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
+    if inductor.pop("skinny_timed", False):
+        modules[(skinny, "TIMED")] = SKINNY_TIMED
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -222,6 +229,10 @@ def main() -> None:
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")
+    ap.add_argument("--skinny-settings", default=None, metavar="JSON",
+                    help="skinny_gemv_ab.py's output: its best setting per product and row count becomes skinny.py's "
+                         "(skinny.TIMED, which routes those products to the kernel) in the paths of variants with "
+                         "skinny_timed=1")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--kernels", nargs="?", const="sum", choices=["sum", "top", "all"],
                     help="also sum each step's kernels by kind under torch.profiler (matmul, attention, other, "
@@ -238,12 +249,18 @@ def main() -> None:
         gated.TIMED.update({int(m): {k: v for k, v in t["config"].items() if k != "split"}
                             for m, t in timed.items() if m.isdigit()})
         print("gated.py's settings:", gated.TIMED, flush=True)
+    if args.skinny_settings:
+        shapes = json.loads(Path(args.skinny_settings).read_text())["shapes"]
+        SKINNY_TIMED.update({(int(m), sh["N"], sh["K"]): {k: v for k, v in t["config"].items() if k != "split"}
+                             for sh in shapes.values() for m, t in sh.items() if m.isdigit()})
+        print("skinny.py's settings with skinny_timed=1:", SKINNY_TIMED, flush=True)
     model = minibatch.load_model(args.model, device="cuda")
     bandwidth = floors.measure_bandwidth(model.device)
     env = {**bench.environment(model), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
            "command": "python3 scripts/gpu/floor_matrix.py " + " ".join(sys.argv[1:]), "compile_mode": args.compile_mode,
            "memory_bandwidth_gbs": bandwidth / 1e9, "decode_attention": model.decode_attention,
-           "gated_settings": {str(m): c for m, c in gated.TIMED.items()}}
+           "gated_settings": {str(m): c for m, c in gated.TIMED.items()},
+           "skinny_settings": {"x".join(map(str, key)): c for key, c in SKINNY_TIMED.items()}}
     print(f"{model.name} {model.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, decode attention {model.decode_attention}", flush=True)
     paths = {"default": None}
