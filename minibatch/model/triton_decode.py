@@ -120,57 +120,89 @@ if triton is not None:
         return m_new, l_i * alpha + p, acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
 
     @triton.jit
+    def _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, start, hi, q_pos, new_slot, BLOCK_N: tl.constexpr,
+               WINDOW: tl.constexpr, FRESH: tl.constexpr):
+        """The cache slots of row r's keys [start, start + BLOCK_N), which of them the query sees, and which
+        are inside the program's range (< hi)."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        slot = tl.load(kvi_ptr + r * L + offs_n, mask=nmask, other=0)
+        seq = tl.load(kvs_ptr + r * L + offs_n, mask=nmask, other=-1)
+        k_pos = tl.load(kvp_ptr + r * L + offs_n, mask=nmask, other=0)
+        valid = (seq == r) & (k_pos <= q_pos)
+        if FRESH:
+            valid = valid & (slot != new_slot)
+        if WINDOW > 0:
+            valid = valid & (q_pos - k_pos < WINDOW)
+        return slot, valid, nmask
+
+    @triton.jit
+    def _scores(q, k, valid, m_i, scale, IEEE: tl.constexpr):
+        """One chunk's softmax numerators p (against the new running max), the old sums' rescale alpha, and the
+        new max."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no visible key
+        return tl.exp(s - m_safe[:, None]), tl.exp(m_i - m_safe), m_new
+
+    @triton.jit
+    def _weighted(acc, alpha, p, v, IEEE: tl.constexpr):
+        """The running weighted sum of values, rescaled, plus this chunk's."""
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return acc * alpha[:, None] + pv
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, PRELOAD: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
-        if PDL:  # launched early (programmatic dependent launch)
+        new_slot = tl.load(cm_ptr + r) if FRESH else -1  # this step's cell (fresh.py): added after the loop
+        q_pos = tl.load(pos_ptr + r)
+        if PRELOAD:  # (FRESH: the cached keys are no earlier kernel's output) the first chunk's keys and values
+            # are read first, launched early before waiting; the loop starts at the second chunk
+            slot0, valid0, nmask0 = _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, lo, hi, q_pos, new_slot, BLOCK_N,
+                                           WINDOW, FRESH)
+            k0 = tl.load(k_ptr + slot0[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask0[:, None], other=0.0)
+            v0 = tl.load(v_ptr + slot0[:, None] * sv_s + h * sv_h + offs_d[None, :], mask=nmask0[:, None], other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+        elif PDL:  # launched early (programmatic dependent launch)
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
                    sin_ptr + r * scs_r, eps, D, FRESH, NORM)
-        new_slot = tl.load(cm_ptr + r) if FRESH else -1  # this step's cell (fresh.py): added after the loop
-        q_pos = tl.load(pos_ptr + r)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            nmask = offs_n < hi
-            slot = tl.load(kvi_ptr + r * L + offs_n, mask=nmask, other=0)
-            seq = tl.load(kvs_ptr + r * L + offs_n, mask=nmask, other=-1)
-            k_pos = tl.load(kvp_ptr + r * L + offs_n, mask=nmask, other=0)
-            valid = (seq == r) & (k_pos <= q_pos)
-            if FRESH:
-                valid = valid & (slot != new_slot)
-            if WINDOW > 0:
-                valid = valid & (q_pos - k_pos < WINDOW)
+        first = lo
+        if PRELOAD:
+            p, alpha, m_i = _scores(q, k0, valid0, m_i, scale, IEEE)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _weighted(acc, alpha, p, v0, IEEE)
+            first = lo + BLOCK_N
+        for start in range(first, hi, BLOCK_N):
+            slot, valid, nmask = _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, start, hi, q_pos, new_slot, BLOCK_N, WINDOW,
+                                        FRESH)
             k = tl.load(k_ptr + slot[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no visible key
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            p, alpha, m_i = _scores(q, k, valid, m_i, scale, IEEE)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + slot[:, None] * sv_s + h * sv_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = _weighted(acc, alpha, p, v, IEEE)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if FRESH:
@@ -233,6 +265,15 @@ LEAN = True
 #: fresh:fresh=1 apart:fresh=1,apart=1): 4-5% faster than the first split doing it at 1, 4 and 8 rows, so on
 #: wherever fresh.py's path runs. False: the first split's program folds it in.
 NEW_KEY_APART = True
+
+
+#: With fresh.py's path, whether each program reads its first chunk of cached keys and values into registers
+#: first, and (launched early: speed/early.py) before waiting for the kernel before it, which writes this step's
+#: q, k and v: the cached keys are older steps' (this step's new key is the kernel's own, kept out of the loop),
+#: so nothing read is that kernel's output. Why: the reads' latency would overlap that kernel's last work instead
+#: of following it. After a kernel that never lets its successor launch early (cuBLAS's q/k/v product) nothing
+#: overlaps. Off until timed (floor_matrix.py --variants NAME:preload=1).
+PRELOAD = False
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
@@ -343,7 +384,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
         LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
-        num_warps=warps, num_stages=stages, **early,
+        PRELOAD=PRELOAD and fresh is not None, num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,

@@ -93,7 +93,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
-            "gated_rows": (gated, "MANY_ROWS")}
+            "gated_rows": (gated, "MANY_ROWS"), "preload": (triton_decode, "PRELOAD")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -107,7 +107,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
-    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
+    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED), preload=1 (with fresh, the decode kernel's first
+    chunk of keys read before it waits: triton_decode.PRELOAD); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
