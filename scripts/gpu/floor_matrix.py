@@ -36,7 +36,10 @@ carry-over as one compiled kernel (compiled.CARRY_OVER), with fresh=1 q/k/v hand
 as their projections left them (model/fresh.py: fresh.ENABLED; the default for small models, whose steps
 fresh=0 takes off it: fresh.IN_SMALL_COMPILES; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with
-gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at 1-8 rows; gated_rows=0 at one row only).
+gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at 1-8 rows; gated_rows=0 at one row only),
+with preload=1 (fresh's path) the decode kernel reading its first keys before it waits (triton_decode.PRELOAD), and
+with skinny_timed=1 the settings of --skinny-settings (skinny_gemv_ab.py's best per product and row count)
+taking their products to skinny.py's kernel (skinny.TIMED).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
 by kind: matrix products (cuBLAS/CUTLASS), the decode attention (the Triton kernel and its combine
 step, or SDPA's), and everything else; "gaps" is the step's time not covered by any kernel. This says
