@@ -78,7 +78,7 @@ def main() -> None:
             for n, k, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
     tiles = [dict(block_n=n, block_k=k, warps=w, stages=s, split=1, dot=True)
              for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4, 5))]
-    if args.grid == "tiles":  # (the shipped plain setting and skinny.py's wide tile first)
+    if args.grid == "tiles":  # (the shipped plain setting first; skinny.py's wide tile is one of the tiles)
         grid = [dict(block_n=4, block_k=1024, warps=4, stages=3, split=1)] + tiles
     if args.grid == "gated":  # (gated.py's own settings first)
         grid = [dict(block_n=n, block_k=k, warps=w, stages=3, split=1, defer=d)

@@ -86,6 +86,12 @@ def parse_setting(text: str) -> tuple:
     return name, int(value) if value.lstrip("-").isdigit() else value
 
 
+def best_setting(timing: dict) -> dict:
+    """skinny_gemv_ab.py's best setting for one product and row count, as a kernel setting (its split of 1 left out:
+    the launch's default)."""
+    return {k: v for k, v in timing["config"].items() if k != "split"}
+
+
 #: --skinny-settings' settings {(rows, n, k): setting}, skinny.TIMED in variants with skinny_timed=1 (filled before
 #: the variants' paths compile)
 SKINNY_TIMED: dict = {}
@@ -250,12 +256,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.gated_settings:
         timed = json.loads(Path(args.gated_settings).read_text())["shapes"]["gate_up"]
-        gated.TIMED.update({int(m): {k: v for k, v in t["config"].items() if k != "split"}
-                            for m, t in timed.items() if m.isdigit()})
+        gated.TIMED.update({int(m): best_setting(t) for m, t in timed.items() if m.isdigit()})
         print("gated.py's settings:", gated.TIMED, flush=True)
     if args.skinny_settings:
         shapes = json.loads(Path(args.skinny_settings).read_text())["shapes"]
-        SKINNY_TIMED.update({(int(m), sh["N"], sh["K"]): {k: v for k, v in t["config"].items() if k != "split"}
+        SKINNY_TIMED.update({(int(m), sh["N"], sh["K"]): best_setting(t)
                              for sh in shapes.values() for m, t in sh.items() if m.isdigit()})
         print("skinny.py's settings with skinny_timed=1:", SKINNY_TIMED, flush=True)
     model = minibatch.load_model(args.model, device="cuda")
