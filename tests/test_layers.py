@@ -154,7 +154,7 @@ def test_functions_are_short():
 # them on (a custom operator's schema, too, takes each tensor apart); everywhere else a long list of
 # parameters is a dataclass waiting to be written
 KERNELS = {"minibatch/model/triton_decode.py", "minibatch/model/attention.py", "minibatch/speed/skinny.py",
-           "minibatch/model/fresh.py"}
+           "minibatch/model/fresh.py", "minibatch/model/triton_fresh.py"}
 # the ones that may: a hot path's private helper and the offline front door (a SamplingParams, an
 # EngineConfig and the run's hooks)
 MANY_PARAMETERS = {"_pad_rows", "generate"}

@@ -31,7 +31,7 @@ CHAPTER = {
     "minibatch.core.async_loop": 6,
     "minibatch.tools": 7, "minibatch.tools.bench": 7, "minibatch.tools.floors": 7, "minibatch.tools.cli": 7,
     "minibatch.tools.cli_args": 7, "minibatch.tools.cli_serving": 8,
-    "minibatch.model.triton_decode": 7, "minibatch.model.fresh": 7, "minibatch.speed.siblings": 7, "minibatch.speed.fx_edits": 7, "minibatch.speed.skinny": 7, "minibatch.speed.gated": 7, "minibatch.speed.early": 7, "minibatch.speed.wide_argmax": 7,
+    "minibatch.model.triton_decode": 7, "minibatch.model.fresh": 7, "minibatch.model.triton_fresh": 7, "minibatch.speed.siblings": 7, "minibatch.speed.fx_edits": 7, "minibatch.speed.skinny": 7, "minibatch.speed.gated": 7, "minibatch.speed.early": 7, "minibatch.speed.wide_argmax": 7,
     "minibatch.speed.startup_graphs": 8,
     "minibatch.core.compat": 7, "minibatch.core.config": 0,
     "minibatch.serving.loop": 8, "minibatch.serving.service": 8, "minibatch.serving.stream": 8, "minibatch.tools.online": 8,

@@ -7,6 +7,7 @@ A plug-in: the core engine runs it (core/engine.py MODEL_NEEDS); it reads the co
     attention.py      the paged attention function registered with transformers; the choices    00, 07
     triton_decode.py  the Triton decode kernel that reads the KV cache in place                    07
     fresh.py          q/k/v straight from their projections into that kernel (small models)      07
+    triton_fresh.py   that kernel's pieces for them: norm, rotary embedding, the new key          07
     tokenizer.py      the tiny model's byte-level tokenizer                                        00
 """
 

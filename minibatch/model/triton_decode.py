@@ -54,6 +54,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    from .triton_fresh import new_key, query_heads  # (fresh's path: FRESH)
 
     @triton.jit
     def _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h,
@@ -71,53 +72,6 @@ if triton is not None:
             prefetch_l2(k_ptr + slot[:, None] * sk_s + h * sk_h + lines[None, :])
             prefetch_l2(v_ptr + slot[:, None] * sv_s + h * sv_h + lines[None, :])
         tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def _fresh(base, offs_d, mask, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, NORM: tl.constexpr):
-        """Head vectors [R, D] from `base` ([R, 1] pointers): RMSNorm over D with weight w (NORM), then the
-        rotary embedding with this row's cos and sin, each product rounded to the input's dtype as
-        the model's own ops round it (fresh.py)."""
-        perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1], i.e. x[perm] with the first half negated
-        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
-        xp = tl.load(base + perm[None, :], mask=mask, other=0.0)
-        dt = x.dtype
-        x, xp = x.to(tl.float32), xp.to(tl.float32)
-        if NORM:
-            rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]  # (the same for x and its rotation)
-            w, wp = tl.load(w_ptr + offs_d).to(tl.float32), tl.load(w_ptr + perm).to(tl.float32)
-            x = (w[None, :] * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xp = (wp[None, :] * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c, s = tl.load(cos_ptr + offs_d).to(tl.float32), tl.load(sin_ptr + offs_d).to(tl.float32)
-        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
-        a = (x * c[None, :]).to(dt).to(tl.float32)  # q * cos + rotate_half(q) * sin, each product rounded
-        b = ((sign[None, :] * xp) * s[None, :]).to(dt).to(tl.float32)
-        return (a + b).to(dt)
-
-    @triton.jit
-    def _query(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, FRESH: tl.constexpr,
-               NORM: tl.constexpr):
-        """The query heads a program serves [BLOCK_G, D]: as RoPE left them, or (FRESH: fresh.py) as their
-        projection did, normed and rotated here."""
-        if FRESH:
-            return _fresh(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D, NORM)
-        return tl.load(q_rows + offs_d[None, :], mask=gmask, other=0.0)
-
-    @triton.jit
-    def _new_key(q, m_i, l_i, acc, k_raw, v_raw, k_cell, v_cell, offs_d, kw_ptr, cos_ptr, sin_ptr, eps, scale,
-                 D: tl.constexpr, NORM: tl.constexpr):
-        """This step's key (normed and rotated) and value: written into the cache cell, and folded into the
-        running max m, sum l and weighted values acc like one more key (always visible: the row's own)."""
-        k_new = _fresh(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_ptr, sin_ptr,
-                       eps, D, NORM)  # [1, D]
-        v_new = tl.load(v_raw + offs_d[None, :])
-        tl.store(k_cell + offs_d[None, :], k_new.to(k_cell.dtype.element_ty))
-        tl.store(v_cell + offs_d[None, :], v_new.to(v_cell.dtype.element_ty))
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # [G]
-        m_new = tl.maximum(m_i, s_new)
-        p = tl.exp(s_new - m_new)
-        alpha = tl.exp(m_i - m_new)
-        p_v = p.to(v_new.dtype).to(tl.float32)  # (rounded as the loop's p before its product with v)
-        return m_new, l_i * alpha + p, acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)
 
     @triton.jit
     def _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, start, hi, q_pos, new_slot, BLOCK_N: tl.constexpr,
@@ -184,7 +138,7 @@ if triton is not None:
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
-        q = _query(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
+        q = query_heads(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
                    sin_ptr + r * scs_r, eps, D, FRESH, NORM)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -207,7 +161,7 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now (_early_start: why not sooner)
         if FRESH:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
-                m_i, l_i, acc = _new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
+                m_i, l_i, acc = new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
                                          k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
                                          offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
         _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, G, D,
