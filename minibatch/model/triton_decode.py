@@ -225,8 +225,9 @@ NEW_KEY_APART = True
 #: first, and (launched early: speed/early.py) before waiting for the kernel before it, which writes this step's
 #: q, k and v: the cached keys are older steps' (this step's new key is the kernel's own, kept out of the loop),
 #: so nothing read is that kernel's output. Why: the reads' latency would overlap that kernel's last work instead
-#: of following it. After a kernel that never lets its successor launch early (cuBLAS's q/k/v product) nothing
-#: overlaps. Off until timed (floor_matrix.py --variants NAME:preload=1).
+#: of following it; and launched late (after cuBLAS's q/k/v product, which never lets its successor launch early)
+#: they still start before q's load, norm and rotary instead of after them, where Triton's pipeline would issue
+#: them. Off until timed (floor_matrix.py --variants NAME:preload=1).
 PRELOAD = False
 
 

@@ -41,9 +41,9 @@
 #              step without fresh's path; not in the default list
 #   qkv        the 0.6B shape's merged q/k/v product on speed/skinny.py's tensor-core tiles alone against cuBLAS
 #              (experiments/skinny_gemv_ab.py --grid tiles), and the compiled step at batches 1, 4 and 8, the
-#              default against the q/k/v product on its best tile per row count (skinny_timed=1: skinny.TIMED)
-#              and that with the decode kernel's first keys read before it waits (preload=1:
-#              triton_decode.PRELOAD); ~6 minutes; not in the default list
+#              default against the decode kernel's first keys read before q's norm and rotary (and, launched
+#              early, before it waits: preload=1, triton_decode.PRELOAD), the q/k/v product on its best tile per
+#              row count (skinny_timed=1: skinny.TIMED), and both; ~8 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -120,7 +120,8 @@ for s in $sections; do
              --grid tiles > "$out/$s/qkv_tiles.log" 2>&1; grep -E "^qkv|^M=" "$out/$s/qkv_tiles.log"
          python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
              --kernels top --skinny-settings "$out/$s/skinny_gemv_qwen3-0.6b-shape.json" \
-             --variants "wide:skinny_timed=1" "widepre:skinny_timed=1,preload=1" > "$out/$s/floor_q06.log" 2>&1
+             --variants "pre:preload=1" "wide:skinny_timed=1" \
+             "widepre:skinny_timed=1,preload=1" > "$out/$s/floor_q06.log" 2>&1
          grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
