@@ -198,9 +198,10 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, preload, m
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(rows, monkeypatch):
-    """The 0.6B shape's attention output (K = 2048, in one piece: skinny.ONE_PIECE) and down product (K = 3072,
-    summed once after the loop at 2-4 rows: skinny.DEFER) on skinny.py's kernel inside compiled steps, in a
-    two-layer model of those widths (float32): the eager tokens, sync and async, and the kernel took them."""
+    """The 0.6B shape's attention output (K = 2048, in one piece: skinny.ONE_PIECE), down product (K = 3072,
+    summed once after the loop at 2-4 rows: skinny.DEFER) and merged q/k/v (4096 x 1024: skinny.SHORT_K, on
+    tensor cores at 2-4 rows) on skinny.py's kernel inside compiled steps, in a two-layer model of those
+    widths (float32): the eager tokens, sync and async, and the kernel took them."""
     from minibatch.model import model as model_module
     from minibatch.speed import skinny
 
@@ -208,13 +209,14 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
     taken = []
     real_launch = skinny.launch
-    monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a, **k: taken.append((w.shape[1], setting))
+    monkeypatch.setattr(skinny, "launch", lambda x, w, y, setting, *a, **k: taken.append((*w.shape, setting))
                         or real_launch(x, w, y, setting, *a, **k))
     model, work, kw, eager = small_qwen3_run(16, lengths=(5, 17, 9, 30)[:rows], name="qwen3-0.6b-widths")
     torch._dynamo.reset()
     compiled_runs_give(eager, model, work, kw)
-    assert any(k == 2048 and s["block_k"] == 2048 for k, s in taken)
-    assert (rows > 1) == any(k == 3072 and s.get("defer") for k, s in taken)
+    assert any(k == 2048 and s["block_k"] == 2048 for _, k, s in taken)
+    assert (rows > 1) == any(k == 3072 and s.get("defer") for _, k, s in taken)
+    assert any((n, k) == (4096, 1024) and s.get("dot", False) == (rows > 1) for n, k, s in taken)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

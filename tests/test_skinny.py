@@ -19,14 +19,27 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 
 
 def test_the_kernel_is_chosen_for_few_rows_and_narrow_outputs_only():
-    """`settings`: one row and at most 2048 output columns, or 2-4 rows and at most 1024 (where it was
-    measured to win or tie); else cuBLAS."""
-    assert skinny.settings(1, 1024, 1024) == dict(block_n=4, block_k=1024, warps=4, stages=3)
+    """`settings`: one row and at most 2048 output columns, or 2-4 rows and at most 1024, or, with K of at
+    most 1024, 1-4 rows and at most SHORT_K (where it was measured to win or tie); else cuBLAS."""
+    plain = dict(block_n=4, block_k=1024, warps=4, stages=3)
+    assert skinny.settings(1, 1024, 1024) == plain
     assert skinny.settings(1, 2048, 8192) is not None and skinny.settings(4, 1024, 3072) is not None
     assert skinny.settings(4, 2048, 8192) is None  # a 1B model's down product at 4 rows: cuBLAS is faster
     assert skinny.settings(max(skinny.WIDEST) + 1, 1024, 2048) is None  # 5 rows and more: cuBLAS
-    assert skinny.settings(1, 4096, 1024) is None  # a wide output: cuBLAS is as fast
+    assert skinny.settings(1, 4096, 2048) is None  # a wide output of a longer K: cuBLAS is as fast
+    # the 0.6B model's merged q/k/v (K = 1024): plain at one row, tensor cores at 2-4, cuBLAS from 5
+    assert skinny.settings(1, skinny.SHORT_K, 1024) == plain
+    tile = dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
+    assert skinny.settings(2, skinny.SHORT_K, 1024) == tile == skinny.settings(4, skinny.SHORT_K, 512)
+    assert skinny.settings(5, skinny.SHORT_K, 1024) is None and skinny.settings(1, skinny.SHORT_K + 1, 1024) is None
     assert skinny.settings(0, 1024, 1024) is None
+
+
+def test_short_k_off_leaves_wide_products_of_short_k_on_cublas(monkeypatch):
+    """SHORT_K = 0 (floor_matrix.py's short_k=0): WIDEST alone decides."""
+    monkeypatch.setattr(skinny, "SHORT_K", 0)
+    assert skinny.settings(1, 4096, 1024) is None and skinny.settings(4, 2048, 1024) is None
+    assert skinny.settings(1, 2048, 1024) is not None and skinny.settings(4, 1024, 1024) is not None
 
 
 def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypatch):
@@ -36,7 +49,7 @@ def test_a_wider_rule_gives_its_new_products_the_setting_timed_for_them(monkeypa
     shipped = dict(block_n=4, block_k=1024, warps=4, stages=3)
     assert skinny.settings(1, 4096, 1024) == shipped and skinny.settings(1, 1024, 3072) == shipped
     for rows, n in ((4, 4096), (2, 6144), (8, 1024)):
-        assert skinny.settings(rows, n, 1024) == dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+        assert skinny.settings(rows, n, 1024) == dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
     assert skinny.settings(9, 1024, 1024) is None
 
 
@@ -44,12 +57,12 @@ def test_timed_settings_take_their_products_whatever_the_rule(monkeypatch):
     """TIMED (an experiment's settings, floor_matrix.py --skinny-settings): a product with its (rows, n, k) gets
     that setting even where WIDEST would leave it on cuBLAS; every other product keeps the rule, other row
     counts of the same shape included; a caller's change to the returned setting leaves TIMED as it was."""
-    tile = dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
-    monkeypatch.setattr(skinny, "TIMED", {(4, 4096, 1024): tile})
-    assert skinny.settings(4, 4096, 1024) == tile and skinny.settings(1, 4096, 1024) is None
+    tile = dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+    monkeypatch.setattr(skinny, "TIMED", {(4, 4096, 2048): tile})
+    assert skinny.settings(4, 4096, 2048) == tile and skinny.settings(1, 4096, 2048) is None
     assert skinny.settings(4, 1024, 2048) == dict(block_n=4, block_k=2048, warps=4, stages=3)
-    skinny.settings(4, 4096, 1024)["stages"] = 2
-    assert skinny.TIMED[(4, 4096, 1024)]["stages"] == 5
+    skinny.settings(4, 4096, 2048)["stages"] = 2
+    assert skinny.TIMED[(4, 4096, 2048)]["stages"] == 4
 
 
 def test_one_piece_reads_k_of_2048_at_once(monkeypatch):
@@ -82,13 +95,14 @@ def test_the_operator_off_cuda_is_linear():
 
 
 class _Three(torch.nn.Module):
-    """A narrow product, a wide one and one with a bias: only the first is the kernel's."""
+    """A narrow product, a wide one (wider than SHORT_K lets in) and one with a bias: only the first is the
+    kernel's."""
 
     def __init__(self):
         super().__init__()
         self.narrow = torch.nn.Linear(64, 32, bias=False)
-        self.wide = torch.nn.Linear(32, 4096, bias=False)
-        self.biased = torch.nn.Linear(4096, 16)
+        self.wide = torch.nn.Linear(32, skinny.SHORT_K + 1024, bias=False)
+        self.biased = torch.nn.Linear(skinny.SHORT_K + 1024, 16)
 
     def forward(self, x):
         return self.biased(self.wide(self.narrow(x)))
@@ -228,6 +242,7 @@ def test_route_takes_merged_sibling_products_where_they_are_narrow_enough(monkey
     for widest, per_layer in ((max(merged_widths), 4), (min(merged_widths) - 1, 2)):
         # (o and down are narrower than either merged product in this model: they always go)
         monkeypatch.setattr(skinny, "WIDEST", {1: widest})
+        monkeypatch.setattr(skinny, "SHORT_K", 0)  # (this small model's K: SHORT_K would let both through)
         seen = []
 
         def backend(gm, example_inputs):

@@ -17,7 +17,8 @@ with), so 1024 columns make 256 programs, and streams those columns' weights in 
 
 Plain multiply-adds: with 1 to 4 rows there are a few per weight byte, far below what the arithmetic
 units do. (`dot` puts them on tensor cores, in tiles of 16 rows; the timings preferred it only for
-8 rows or wide outputs, where cuBLAS is as fast, so it is not used.) With `split` > 1 each program
+8 rows or wide outputs, where cuBLAS is about as fast: it is used for 2-4 rows of the 0.6B model's merged
+q/k/v product, whose successor the kernel lets launch early, and by gated.py.) With `split` > 1 each program
 sums a range of K into a float32 scratch and a second kernel adds the ranges in a fixed order:
 deterministic, unlike atomic adds, so the same step gives the same bits every time.
 
@@ -46,6 +47,13 @@ except ImportError:  # the CPU wheels of PyTorch come without Triton
 #: the widest product (output columns) that goes to the kernel, by the most rows it has (`settings`):
 #: one row up to 2048 columns, 2-4 rows up to 1024; more rows or wider products stay on cuBLAS
 WIDEST = {1: 2048, 4: 1024}
+
+#: Past WIDEST: products whose K is at most 1024 (a hidden size of 1024, as the 0.6B model's merged q/k/v,
+#: 4096 x 1024) go to the kernel at 1-4 rows up to this many columns (0: WIDEST alone). Why: with so short a
+#: K, alone, the kernel took less time than cuBLAS at one row and tied at 4; and in a compiled step the kernel
+#: lets the decode attention after it launch early (early.py), which cuBLAS's kernels never do: the 0.6B
+#: step was faster with it at 1 and 4 rows, not at 8 (BENCHMARKS.md, small models).
+SHORT_K = 4096
 
 
 def available() -> bool:
@@ -193,24 +201,28 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     and loses with 4; the 1B model's step (o and down with 2048 columns) was faster with the kernel at
     one row and slower at 4 rows; with 8 rows cuBLAS is within 9% of the kernel's best setting
     everywhere. So (`WIDEST`): one row and n <= 2048, or 2-4 rows and n <= 1024 (2 and 3 rows were not
-    timed apart: they take 4 rows' rule). One setting serves them all: 4 columns per program, K in
-    pieces of 1024, 4 warps, 3 pipeline stages; except, where it was timed faster in the 0.6B step, K of
-    2048 in one piece for products of at most 1024 columns (`ONE_PIECE`), and with 2-4 rows and K over
-    2048, pieces of 512 summed along K once after the loop (`DEFER`).
+    timed apart: they take 4 rows' rule); and, with K of at most 1024, 1-4 rows up to `SHORT_K` columns.
+    One setting serves most: 4 columns per program, K in pieces of 1024, 4 warps, 3 pipeline stages;
+    except, where it was timed faster in the 0.6B step, K of 2048 in one piece for products of at most
+    1024 columns (`ONE_PIECE`), and with 2-4 rows and K over 2048, pieces of 512 summed along K once after
+    the loop (`DEFER`).
 
-    For experiments that widen `WIDEST` (floor_matrix.py --variants widest=...), the products it then
-    takes get the setting that timed best for them alone: more than 4 rows, or 2-4 rows on a product
-    wider than 2048 columns (the 0.6B model's merged q/k/v and gate/up), run on tensor cores, 32 columns
-    per program, K in pieces of 256, 4 pipeline stages (plain multiply-adds took 1.2-2x longer there).
-    TIMED, where it has (rows, n, k), takes the place of all this, WIDEST included.
+    2-4 rows on a product wider than 2048 columns (the 0.6B model's merged q/k/v), and more than 4 rows
+    (experiments that widen `WIDEST`: floor_matrix.py --variants widest=...), run on tensor cores: 32
+    columns per program, K in pieces of 128, 4 warps, 5 pipeline stages, the fastest of 72 tiles alone on
+    the 0.6B q/k/v product at 4 and 8 rows as on its gate/up product (gated.py); plain multiply-adds took
+    1.2-2x longer there (skinny_gemv_ab.py --grid tiles). TIMED, where it has (rows, n, k), takes the place
+    of all this, WIDEST included.
     """
     if (rows, n, k) in TIMED:
         return dict(TIMED[(rows, n, k)])
     widest = max((n_max for r, n_max in WIDEST.items() if r >= rows), default=0) if rows >= 1 else 0
+    if 1 <= rows <= 4 and k <= 1024:
+        widest = max(widest, SHORT_K)
     if n > widest:
         return None
     if rows > 4 or (rows > 1 and n > 2048):
-        return dict(block_n=32, block_k=256, warps=4, stages=4, dot=True)
+        return dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
     if DEFER and rows > 1 and k > 2048:
         return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     whole = ONE_PIECE and k == 2048 and n <= 1024

@@ -116,6 +116,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
+    short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
     skinny_timed=1 (--skinny-settings' settings as skinny.TIMED), preload=1 (with fresh, the decode kernel's first
     chunk of keys read before it waits: triton_decode.PRELOAD); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
@@ -123,6 +124,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
     if modules.get((fresh, "ENABLED")) is False:  # (fresh=0: not by the small models' rule either)
         modules[(fresh, "IN_SMALL_COMPILES")] = False
+    if "short_k" in inductor:
+        modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
     if inductor.pop("skinny_timed", False):

@@ -36,14 +36,15 @@
 #              not in the default list
 #   target     the small models' compiled decode step against 3x its floor, in one process per model (~8
 #              minutes): the 0.6B shape at batches 1, 4 and 8, the default step (fresh's path: model/fresh.py's
-#              rule for small models), the step without it (fresh=0) and the default with q/k/v on
-#              speed/skinny.py's kernel at one row (widest=1:4096/4:1024); the 1B shape's default step and the
-#              step without fresh's path; not in the default list
+#              rule for small models), the step without it (fresh=0) and the default with the merged q/k/v
+#              product on cuBLAS (short_k=0: skinny.SHORT_K); the 1B shape's default step and the step without
+#              fresh's path; not in the default list
 #   qkv        the 0.6B shape's merged q/k/v product on speed/skinny.py's tensor-core tiles alone against cuBLAS
 #              (experiments/skinny_gemv_ab.py --grid tiles), and the compiled step at batches 1, 4 and 8, the
-#              default against the decode kernel's first keys read before q's norm and rotary (and, launched
-#              early, before it waits: preload=1, triton_decode.PRELOAD), the q/k/v product on its best tile per
-#              row count (skinny_timed=1: skinny.TIMED), and both; ~8 minutes; not in the default list
+#              default (q/k/v on the kernel at 1-4 rows: skinny.SHORT_K) against q/k/v on cuBLAS (short_k=0),
+#              the decode kernel's first keys read before q's norm and rotary (and, launched early, before it
+#              waits: preload=1, triton_decode.PRELOAD), and q/k/v on its best tile per row count, 8 rows
+#              included (skinny_timed=1: skinny.TIMED); ~7 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -112,7 +113,7 @@ for s in $sections; do
                --kernels top --variants "ungated:gated=0" "few:gated_rows=0" "nofresh:fresh=0" \
                > "$out/$s/floor.log" 2>&1; grep -A6 "^ \+[148] \+512" "$out/$s/floor.log" ;;
     target) python3 scripts/gpu/floor_matrix.py "$out/$s/q06" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 \
-                --compile --kernels top --variants "nofresh:fresh=0" "wide:widest=1:4096/4:1024" \
+                --compile --kernels top --variants "nofresh:fresh=0" "cublasqkv:short_k=0" \
                 > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log"
             python3 scripts/gpu/floor_matrix.py "$out/$s/l1b" --model llama3-1b-shape --batches 1,4,8 --contexts 512 \
                 --compile --variants "nofresh:fresh=0" > "$out/$s/floor_l1b.log" 2>&1; grep "^ \+[148] \+512" "$out/$s/floor_l1b.log" ;;
@@ -120,8 +121,7 @@ for s in $sections; do
              --grid tiles > "$out/$s/qkv_tiles.log" 2>&1; grep -E "^qkv|^M=" "$out/$s/qkv_tiles.log"
          python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
              --kernels top --skinny-settings "$out/$s/skinny_gemv_qwen3-0.6b-shape.json" \
-             --variants "pre:preload=1" "wide:skinny_timed=1" \
-             "widepre:skinny_timed=1,preload=1" > "$out/$s/floor_q06.log" 2>&1
+             --variants "cublasqkv:short_k=0" "pre:preload=1" "timed:skinny_timed=1" > "$out/$s/floor_q06.log" 2>&1
          grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
