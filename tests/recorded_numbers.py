@@ -370,6 +370,19 @@ def small_models_gated_tiles() -> dict:
     return out
 
 
+def small_models_qkv() -> dict:
+    """The 0.6B merged q/k/v product on skinny.py's kernel: alone, cuBLAS against the kernel's best of 72 tiles
+    and the shipped plain setting (qkv_m{rows}_...); the 0.6B compiled step (run2) with q/k/v on cuBLAS
+    (compile, the default then) against it on the best tile per row count (wide), the decode kernel's preload
+    (pre) and both (widepre); one H100."""
+    run = "gpu_small_models_qkv_2026-12-06"
+    out = _by_command(run)
+    qkv = json.loads((DATA / "runs" / run / "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape.json").read_text())["shapes"]["qkv"]
+    for m in ("1", "4", "8"):
+        out[f"qkv_m{m}_cublas_ms"], out[f"qkv_m{m}_kernel_ms"] = qkv[m]["cublas_ms"], qkv[m]["triton_ms"]
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -424,7 +437,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_switches": small_models_switches, "small_models_fresh": small_models_fresh,
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
-            "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles}
+            "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
+            "small_models_qkv": small_models_qkv}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -489,7 +503,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "2_floor_matrix_qwen3-0.6b-shape_b4", "4_skinny_gemv_gated_qwen3-0.6b-shape",
                "5_floor_matrix_qwen3-0.6b-shape_b4_before", "6_floor_matrix_qwen3-0.6b-shape_b4_tiles",
                "7_floor_matrix_qwen3-0.6b-shape_b1_4_8", "8_floor_matrix_qwen3-0.6b-shape_b4_again",
-               "9_floor_matrix_qwen3-0.6b-shape_b4_again", "10_floor_matrix_llama3-1b-shape_b1_4_8")]}
+               "9_floor_matrix_qwen3-0.6b-shape_b4_again", "10_floor_matrix_llama3-1b-shape_b1_4_8")],
+           "small_models_qkv": [f"figures/data/runs/gpu_small_models_qkv_2026-12-06/{f}.json" for f in (
+               "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
