@@ -402,7 +402,9 @@ for n in products:
 # Where cuBLAS is starved the kernel wins big: at its best setting `o` streams 3.8x <!-- from figures/data/headline.json: small_models.q06_o_m1_speedup --> faster with one row, `down` 1.5x <!-- from figures/data/headline.json: small_models.q06_down_m1_speedup -->
 # (1.9x <!-- from figures/data/headline.json: small_models.q06_o_m4_speedup --> and 1.1x <!-- from figures/data/headline.json: small_models.q06_down_m4_speedup --> with 4 rows). On the wide products (q/k/v and gate/up merged, the LM head) it only ties,
 # and with 8 rows cuBLAS comes within 9% of the kernel's best setting. `skinny.settings` writes that down as a rule
-# (one row: up to 2048 output columns; 2-4 rows: up to 1024; otherwise cuBLAS), and the compiled step's
+# (one row: up to 2048 output columns; 2-4 rows: up to 1024; otherwise cuBLAS; a later run added products
+# whose K is at most 1024 up to 4096 columns, which takes the 0.6B model's merged q/k/v: the kernel, unlike
+# cuBLAS, lets the attention kernel after it start early, and the step got a little faster), and the compiled step's
 # graph gets one more pass after the sibling merge, `skinny.route`, which hands those `linear` calls to a
 # custom operator, `minibatch::skinny_linear`, that picks the kernel or cuBLAS from the real row count.
 # Whole decode steps, with the pass and without it, in one process (`floor_matrix.py --skinny-ab`):
