@@ -139,13 +139,13 @@ def _raw(rows, heads, kv_heads, dim, dtype, device, positions):
 @pytest.mark.parametrize("ctx_lens,window", [([5, 11, 3], None), ([150, 7, 260], None), ([150, 7, 260], 40)])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("apart,preload", [(False, False), (True, False), (True, True)])
-def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype, apart, preload, monkeypatch):
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype, apart, monkeypatch):
     """The decode kernel with FRESH (norm and rotary embedding of q and the new k, the cache write, the new
     key and value taken from registers) against the operator's torch path: the attention and every cache
     cell, with and without a split over the keys (the long rows), a window, q/k norms (Qwen3) or none;
     the new key folded in by the first split's program or (NEW_KEY_APART, where there is a split) by one
-    of its own; each program's first chunk of keys read in the loop or before it (PRELOAD)."""
+    of its own."""
     pytest.importorskip("triton")
     if not (INTERPRET or torch.cuda.is_available()):
         pytest.skip("the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
@@ -162,7 +162,6 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype,
             dim ** -0.5)
     want = fresh.paged_decode_fresh(*args, cache.keys[0], cache.values[0], *keys, False)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
-    monkeypatch.setattr(triton_decode, "PRELOAD", preload)
     combined = []  # the partials each combine launch adds up
     real_combine = triton_decode._combine_kernel
     monkeypatch.setattr(triton_decode, "_combine_kernel", _Spy(real_combine, combined))

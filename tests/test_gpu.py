@@ -165,12 +165,11 @@ def test_a_small_models_compiled_step_takes_the_fresh_path_by_default(monkeypatc
     assert launches and all(f is None for f in launches)
 
 
-@pytest.mark.parametrize("apart,preload", [(True, False), (False, False), (True, True)])
-def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, preload, monkeypatch):
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatch):
     """fresh.py's path on rows whose keys are split, the new key on a program of its own
-    (triton_decode.NEW_KEY_APART) or the first split's, each program's first keys read before it waits or in
-    its loop (triton_decode.PRELOAD): the eager tokens of the layers' own forward, eager and compiled, sync
-    and async."""
+    (triton_decode.NEW_KEY_APART) or the first split's: the eager tokens of the layers' own forward, eager and
+    compiled, sync and async."""
     from minibatch.model import fresh, triton_decode
 
     if not triton_decode.available():
@@ -179,7 +178,6 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, preload, m
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
-    monkeypatch.setattr(triton_decode, "PRELOAD", preload)
     splits = []
     real_split_keys = triton_decode.split_keys
 

@@ -118,7 +118,7 @@ if triton is not None:
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, PRELOAD: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
@@ -126,15 +126,7 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         new_slot = tl.load(cm_ptr + r) if FRESH else -1  # this step's cell (fresh.py): added after the loop
         q_pos = tl.load(pos_ptr + r)
-        if PRELOAD:  # (FRESH: the cached keys are no earlier kernel's output) the first chunk's keys and values
-            # are read first, launched early before waiting; the loop starts at the second chunk
-            slot0, valid0, nmask0 = _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, lo, hi, q_pos, new_slot, BLOCK_N,
-                                           WINDOW, FRESH)
-            k0 = tl.load(k_ptr + slot0[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask0[:, None], other=0.0)
-            v0 = tl.load(v_ptr + slot0[:, None] * sv_s + h * sv_h + offs_d[None, :], mask=nmask0[:, None], other=0.0)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-        elif PDL:  # launched early (programmatic dependent launch)
+        if PDL:  # launched early (programmatic dependent launch)
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
@@ -143,13 +135,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        first = lo
-        if PRELOAD:
-            p, alpha, m_i = _scores(q, k0, valid0, m_i, scale, IEEE)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _weighted(acc, alpha, p, v0, IEEE)
-            first = lo + BLOCK_N
-        for start in range(first, hi, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             slot, valid, nmask = _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, start, hi, q_pos, new_slot, BLOCK_N, WINDOW,
                                         FRESH)
             k = tl.load(k_ptr + slot[:, None] * sk_s + h * sk_h + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -219,16 +205,6 @@ LEAN = True
 #: fresh:fresh=1 apart:fresh=1,apart=1): 4-5% faster than the first split doing it at 1, 4 and 8 rows, so on
 #: wherever fresh.py's path runs. False: the first split's program folds it in.
 NEW_KEY_APART = True
-
-
-#: With fresh.py's path, whether each program reads its first chunk of cached keys and values into registers
-#: first, and (launched early: speed/early.py) before waiting for the kernel before it, which writes this step's
-#: q, k and v: the cached keys are older steps' (this step's new key is the kernel's own, kept out of the loop),
-#: so nothing read is that kernel's output. Why: the reads' latency would overlap that kernel's last work instead
-#: of following it; and launched late (after cuBLAS's q/k/v product, which never lets its successor launch early)
-#: they still start before q's load, norm and rotary instead of after them, where Triton's pipeline would issue
-#: them. Off until timed (floor_matrix.py --variants NAME:preload=1).
-PRELOAD = False
 
 
 def warps_stages(rows: int) -> tuple[int, int]:
@@ -339,7 +315,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
         LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
-        PRELOAD=PRELOAD and fresh is not None, num_warps=warps, num_stages=stages, **early,
+        num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1:
         _combine_kernel[(rows, heads)](*partial, o, o.stride(0), o.stride(1), heads, S=splits,

@@ -18,7 +18,6 @@ blocks). Writes OUTDIR/kernel_resources.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import subprocess
@@ -41,12 +40,11 @@ INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr", "cm_ptr")
 FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
 
 
-def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False, preload: bool = False) -> dict:
+def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> dict:
     """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits); `fresh`:
-    model/fresh.py's (q/k/v from their projections, normed, rotated and cached by the kernel); `preload`: its
-    first chunk of keys read before the loop (triton_decode.PRELOAD)."""
+    model/fresh.py's (q/k/v from their projections, normed, rotated and cached by the kernel)."""
     return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
-                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh, PRELOAD=preload)
+                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
 
 def skinny_settings(rows: int, pdl: bool, n: int = 1024) -> dict:
@@ -80,10 +78,9 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
     # the 0.6B step with fresh.ENABLED: q, k and v read from the merged q/k/v product's rows (4096 wide)
     ints = dict(sq_r=4096, sq_h=128, sk_s=8 * 128, sk_h=128, sv_s=8 * 128, sv_h=128, so_r=16 * 128, so_h=128, L=576,
                 keys_per_split=64, skn_r=4096, svn_r=4096, scs_r=128)
-    for (warps, stages), preload in itertools.product(((4, 3), (2, 2)), (False, True)):
-        out.append((f"decode attention, 0.6B, fresh{', preload' * preload}, pdl=1, {warps} warps, {stages} stages",
-                    triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True, preload=preload), ints,
-                    warps, stages))
+    for warps, stages in ((4, 3), (2, 2)):
+        out.append((f"decode attention, 0.6B, fresh, pdl=1, {warps} warps, {stages} stages",
+                    triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True), ints, warps, stages))
     out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
                 dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
     for rows, pdl in ((1, False), (1, True), (4, False), (4, True)):

@@ -37,7 +37,7 @@ as their projections left them (model/fresh.py: fresh.ENABLED; the default for s
 fresh=0 takes off it: fresh.IN_SMALL_COMPILES; with apart=0 too, the new key folded in by
 the first split's program instead of one of its own: triton_decode.NEW_KEY_APART), with
 gated=0 the gate/up product on cuBLAS and silu(gate) * up a kernel of its own (speed/gated.py: on by default at 1-8 rows; gated_rows=0 at one row only),
-with preload=1 (fresh's path) the decode kernel reading its first keys before it waits (triton_decode.PRELOAD), and
+with short_k=0 the products of K up to 1024 past skinny.WIDEST (the 0.6B merged q/k/v) on cuBLAS (skinny.SHORT_K), and
 with skinny_timed=1 the settings of --skinny-settings (skinny_gemv_ab.py's best per product and row count)
 taking their products to skinny.py's kernel (skinny.TIMED).
 With --kernels, each point's graph is also replayed under torch.profiler and its kernels are summed
@@ -102,7 +102,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
-            "gated_rows": (gated, "MANY_ROWS"), "preload": (triton_decode, "PRELOAD")}
+            "gated_rows": (gated, "MANY_ROWS")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -117,8 +117,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
-    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED), preload=1 (with fresh, the decode kernel's first
-    chunk of keys read before it waits: triton_decode.PRELOAD); every other name is Inductor config."""
+    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}

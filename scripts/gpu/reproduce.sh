@@ -41,10 +41,9 @@
 #              fresh's path; not in the default list
 #   qkv        the 0.6B shape's merged q/k/v product on speed/skinny.py's tensor-core tiles alone against cuBLAS
 #              (experiments/skinny_gemv_ab.py --grid tiles), and the compiled step at batches 1, 4 and 8, the
-#              default (q/k/v on the kernel at 1-4 rows: skinny.SHORT_K) against q/k/v on cuBLAS (short_k=0),
-#              the decode kernel's first keys read before q's norm and rotary (and, launched early, before it
-#              waits: preload=1, triton_decode.PRELOAD), and q/k/v on its best tile per row count, 8 rows
-#              included (skinny_timed=1: skinny.TIMED); ~7 minutes; not in the default list
+#              default (q/k/v on the kernel at 1-4 rows: skinny.SHORT_K) against q/k/v on cuBLAS (short_k=0)
+#              and on its best tile per row count, 8 rows included (skinny_timed=1: skinny.TIMED); ~6 minutes;
+#              not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -121,7 +120,7 @@ for s in $sections; do
              --grid tiles > "$out/$s/qkv_tiles.log" 2>&1; grep -E "^qkv|^M=" "$out/$s/qkv_tiles.log"
          python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
              --kernels top --skinny-settings "$out/$s/skinny_gemv_qwen3-0.6b-shape.json" \
-             --variants "cublasqkv:short_k=0" "pre:preload=1" "timed:skinny_timed=1" > "$out/$s/floor_q06.log" 2>&1
+             --variants "cublasqkv:short_k=0" "timed:skinny_timed=1" > "$out/$s/floor_q06.log" 2>&1
          grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
