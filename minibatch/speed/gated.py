@@ -74,7 +74,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     if n > WIDEST or k > DEEPEST or (rows > 1 and not MANY_ROWS):
         return None
     if rows > 1:
-        return dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
+        return dict(skinny.TILE)
     return dict(block_n=4, block_k=1 << (k - 1).bit_length(), warps=4, stages=3)  # (a power of 2: the K mask
     # covers the rest)
 

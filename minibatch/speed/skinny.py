@@ -55,6 +55,10 @@ WIDEST = {1: 2048, 4: 1024}
 #: step was faster with it at 1 and 4 rows, not at 8 (BENCHMARKS.md, small models).
 SHORT_K = 4096
 
+#: The tensor-core setting (`settings`, and gated.py's at 2-8 rows): 32 columns a program, K in pieces of 128,
+#: 4 warps, 5 pipeline stages
+TILE = dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
+
 
 def available() -> bool:
     return triton is not None
@@ -208,8 +212,8 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     the loop (`DEFER`).
 
     2-4 rows on a product wider than 2048 columns (the 0.6B model's merged q/k/v), and more than 4 rows
-    (experiments that widen `WIDEST`: floor_matrix.py --variants widest=...), run on tensor cores: 32
-    columns per program, K in pieces of 128, 4 warps, 5 pipeline stages, the fastest of 72 tiles alone on
+    (experiments that widen `WIDEST`: floor_matrix.py --variants widest=...), run on tensor cores (`TILE`:
+    32 columns per program, K in pieces of 128, 4 warps, 5 pipeline stages), the fastest of 72 tiles alone on
     the 0.6B q/k/v product at 4 and 8 rows as on its gate/up product (gated.py); plain multiply-adds took
     1.2-2x longer there (skinny_gemv_ab.py --grid tiles). TIMED, where it has (rows, n, k), takes the place
     of all this, WIDEST included.
@@ -222,7 +226,7 @@ def settings(rows: int, n: int, k: int) -> dict | None:
     if n > widest:
         return None
     if rows > 4 or (rows > 1 and n > 2048):
-        return dict(block_n=32, block_k=128, warps=4, stages=5, dot=True)
+        return dict(TILE)
     if DEFER and rows > 1 and k > 2048:
         return dict(block_n=4, block_k=512, warps=4, stages=3, defer=True)
     whole = ONE_PIECE and k == 2048 and n <= 1024
