@@ -374,7 +374,8 @@ def small_models_qkv() -> dict:
     """The 0.6B merged q/k/v product on skinny.py's kernel: alone, cuBLAS against the kernel's best of 72 tiles
     and the shipped plain setting (qkv_m{rows}_...); the 0.6B compiled step (run2) with q/k/v on cuBLAS
     (compile, the default then) against it on the best tile per row count (wide), the decode kernel's preload
-    (pre) and both (widepre); one H100."""
+    (pre) and both (widepre); and (run4, another H100) that as the default (compile, skinny.SHORT_K) against
+    q/k/v on cuBLAS (cublasqkv) and without fresh's path (nofresh)."""
     run = "gpu_small_models_qkv_2026-12-06"
     out = _by_command(run)
     qkv = json.loads((DATA / "runs" / run / "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape.json").read_text())["shapes"]["qkv"]
@@ -505,7 +506,8 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "7_floor_matrix_qwen3-0.6b-shape_b1_4_8", "8_floor_matrix_qwen3-0.6b-shape_b4_again",
                "9_floor_matrix_qwen3-0.6b-shape_b4_again", "10_floor_matrix_llama3-1b-shape_b1_4_8")],
            "small_models_qkv": [f"figures/data/runs/gpu_small_models_qkv_2026-12-06/{f}.json" for f in (
-               "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
+               "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8",
+               "4_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
