@@ -131,7 +131,7 @@ if triton is not None:
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
         q = query_heads(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
-                   sin_ptr + r * scs_r, eps, D, FRESH, NORM)
+                        sin_ptr + r * scs_r, eps, D, FRESH, NORM)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -148,8 +148,8 @@ if triton is not None:
         if FRESH:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
-                                         k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
-                                         offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
+                                        k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
+                                        offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
         _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, G, D,
                 SPLIT)
 

@@ -37,7 +37,7 @@ if triton is not None:
 
     @triton.jit
     def query_heads(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, FRESH: tl.constexpr,
-               NORM: tl.constexpr):
+                    NORM: tl.constexpr):
         """The query heads a program serves [BLOCK_G, D]: as RoPE left them, or (FRESH: fresh.py) as their
         projection did, normed and rotated here."""
         if FRESH:
@@ -46,11 +46,11 @@ if triton is not None:
 
     @triton.jit
     def new_key(q, m_i, l_i, acc, k_raw, v_raw, k_cell, v_cell, offs_d, kw_ptr, cos_ptr, sin_ptr, eps, scale,
-                 D: tl.constexpr, NORM: tl.constexpr):
+                D: tl.constexpr, NORM: tl.constexpr):
         """This step's key (normed and rotated) and value: written into the cache cell, and folded into the
         running max m, sum l and weighted values acc like one more key (always visible: the row's own)."""
-        k_new = fresh_heads(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_ptr, sin_ptr,
-                       eps, D, NORM)  # [1, D]
+        k_new = fresh_heads(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_ptr,
+                            sin_ptr, eps, D, NORM)  # [1, D]
         v_new = tl.load(v_raw + offs_d[None, :])
         tl.store(k_cell + offs_d[None, :], k_new.to(k_cell.dtype.element_ty))
         tl.store(v_cell + offs_d[None, :], v_new.to(v_cell.dtype.element_ty))
