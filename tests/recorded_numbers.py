@@ -384,6 +384,22 @@ def small_models_qkv() -> dict:
     return out
 
 
+def small_models_target() -> dict:
+    """The small models' default compiled step against its floor at this tree: the 0.6B (run1: compile, the default,
+    against nofresh and cublasqkv; run4: the decode attention's programs per SM, sm4 and sm1) and the 1B (l1b_...:
+    compile and nofresh, with the default's first call in seconds); one H100."""
+    run = "gpu_small_models_target_2026-12-06"
+    out = _by_command(run)
+    for p in json.loads((DATA / "runs" / run / "1_floor_matrix_qwen3-0.6b-shape_b1_4_8.json").read_text())["points"]:
+        out[f"q06_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
+    for p in json.loads((DATA / "runs" / run / "2_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
+        key = f"l1b_b{p['batch']}"
+        out[f"{key}_floor_ms"], out[f"{key}_compile_s"] = p["floor_ms"], p["compile"]["first_call_s"]
+        for path in ("compile", "nofresh"):
+            out[f"{key}_{path}_ms"], out[f"{key}_{path}_x"] = p[path]["ms"], p[path]["over_floor"]
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -439,7 +455,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
             "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
-            "small_models_qkv": small_models_qkv}
+            "small_models_qkv": small_models_qkv, "small_models_target": small_models_target}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -507,7 +523,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "9_floor_matrix_qwen3-0.6b-shape_b4_again", "10_floor_matrix_llama3-1b-shape_b1_4_8")],
            "small_models_qkv": [f"figures/data/runs/gpu_small_models_qkv_2026-12-06/{f}.json" for f in (
                "1_skinny_gemv_qkv_tiles_qwen3-0.6b-shape", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8",
-               "4_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
+               "4_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
+           "small_models_target": [f"figures/data/runs/gpu_small_models_target_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
+               "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
 
 
 def derive() -> dict:
