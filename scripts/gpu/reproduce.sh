@@ -54,6 +54,8 @@
 #   latency    the server's latency: sync and async by default against every step a CUDA graph captured at start-up
 #              (--cuda-graphs on --capture-up-to 512), that async server at token budgets 2048, 1024 and 512
 #              (serve_bench.sh, ~25 minutes; not in the default list)
+# GPU=NAME (optional): run only on a GPU whose name holds NAME (e.g. GPU=H200, where a number is quoted against
+# that card), else stop at once with exit status 3, before anything is compiled or timed.
 # Needs: a CUDA GPU with ~100 GB free, torch, transformers, matplotlib, triton; about 65 minutes for everything
 # (the sweep alone ~10: split it with sweep.py's --models where a run has a time limit).
 set -uo pipefail
@@ -61,6 +63,10 @@ out=${1:?usage: reproduce.sh OUTDIR [SECTION ...]}
 shift
 sections=${*:-tests headline eager arrivals compile floor prefill kernels linear small triton profile sweep host online serving}
 cd "$(dirname "$0")/../.."
+if [ -n "${GPU:-}" ]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  case "$card" in *"$GPU"*) ;; *) echo "reproduce.sh: GPU=$GPU asked, this machine has $card: nothing run"; exit 3 ;; esac
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KINETO_LOG_LEVEL=5
 mkdir -p "$out"
 eightb=(--model llama3-8b-shape --device cuda --num-prompts 32 --prompt-len 256 --max-new-tokens 256
