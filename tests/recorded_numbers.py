@@ -342,12 +342,7 @@ def small_models_many_rows() -> dict:
     (fresh), with q/k/v on skinny.py's kernel at one row too (wide), in the 0.6B compiled step; and the 1B's
     default compiled step (l1b_...); one H100, commands 2-4 on one machine."""
     run = "gpu_small_models_many_rows_2026-12-05"
-    out = _by_command(run)
-    for p in json.loads((DATA / "runs" / run / "4_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
-        key = f"l1b_b{p['batch']}"
-        out[f"{key}_floor_ms"], out[f"{key}_compile_ms"] = p["floor_ms"], p["compile"]["ms"]
-        out[f"{key}_compile_x"] = p["compile"]["over_floor"]
-    return out
+    return {**_by_command(run), **_l1b_paths(run, "4_floor_matrix_llama3-1b-shape_b1_4_8", ("compile",))}
 
 
 def small_models_gated_tiles() -> dict:
@@ -363,11 +358,7 @@ def small_models_gated_tiles() -> dict:
         out[f"gated_b{m}_cublas_product_ms"] = ab["cublas_product_ms"][m]
         old = dict(block_n=32, block_k=256, warps=4, stages=4, split=1, dot=True)
         out[f"gated_b{m}_old_ms"] = next(t for t, c in ab[m]["all"] if c == old)
-    for p in json.loads((DATA / "runs" / run / "10_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
-        for path in ("compile", "fresh"):
-            out[f"l1b_b{p['batch']}_{path}_ms"] = p[path]["ms"]
-            out[f"l1b_b{p['batch']}_{path}_x"] = p[path]["over_floor"]
-    return out
+    return {**out, **_l1b_paths(run, "10_floor_matrix_llama3-1b-shape_b1_4_8", ("compile", "fresh"))}
 
 
 def small_models_qkv() -> dict:
@@ -392,17 +383,27 @@ def small_models_target() -> dict:
     out = _by_command(run)
     for p in json.loads((DATA / "runs" / run / "1_floor_matrix_qwen3-0.6b-shape_b1_4_8.json").read_text())["points"]:
         out[f"q06_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
+    l1b = _l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile", "nofresh"))
     for p in json.loads((DATA / "runs" / run / "2_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
-        key = f"l1b_b{p['batch']}"
-        out[f"{key}_floor_ms"], out[f"{key}_compile_s"] = p["floor_ms"], p["compile"]["first_call_s"]
-        for path in ("compile", "nofresh"):
-            out[f"{key}_{path}_ms"], out[f"{key}_{path}_x"] = p[path]["ms"], p[path]["over_floor"]
-    return out
+        l1b[f"l1b_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
+    return {**out, **l1b}
 
 
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
+
+
+def _l1b_paths(folder: str, name: str, paths: tuple) -> dict:
+    """The 1B floor matrix `name`.json of a run folder: per batch its floor and each of `paths`' ms and multiple of
+    the floor, keyed l1b_b{batch}_..."""
+    out = {}
+    for p in json.loads((DATA / "runs" / folder / f"{name}.json").read_text())["points"]:
+        key = f"l1b_b{p['batch']}"
+        out[f"{key}_floor_ms"] = p["floor_ms"]
+        for path in paths:
+            out[f"{key}_{path}_ms"], out[f"{key}_{path}_x"] = p[path]["ms"], p[path]["over_floor"]
+    return out
 
 
 def _floor_paths(run: Path, stage) -> dict:
