@@ -65,6 +65,28 @@ def test_the_lean_launch_gives_the_defaults_output(ctx_lens, splits, monkeypatch
     torch.testing.assert_close(triton_decode.decode_attention(*args), lean, atol=1e-5, rtol=1e-5)
 
 
+def test_settings_for_every_launch_give_the_same_output(monkeypatch):
+    """triton_decode.SETTINGS (keys per loop step, warps, stages for every launch: floor_matrix.py's attn=)
+    changes how the keys are walked, not the result: 128 keys a step against the shipped 64."""
+    cache, batch = _decode_batch([150, 7, 260, 40])
+    query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
+    args = (query, cache.keys[0], cache.values[0], batch, None, None, None)
+    shipped = triton_decode.decode_attention(*args)
+    kernel, seen = triton_decode._decode_kernel, []
+
+    class Spy:  # the launch's settings, then the kernel itself
+        def __getitem__(self, grid):
+            def run(*a, **kw):
+                seen.append((kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
+                return kernel[grid](*a, **kw)
+            return run
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    monkeypatch.setattr(triton_decode, "SETTINGS", (128, 4, 2))
+    torch.testing.assert_close(triton_decode.decode_attention(*args), shipped, atol=1e-5, rtol=1e-5)
+    assert seen == [(128, 4, 2)]
+
+
 def test_split_count():
     cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
     assert triton_decode.num_splits(128, 8, 2048, cpu) == 1  # 1024 programs already

@@ -207,6 +207,12 @@ LEAN = True
 NEW_KEY_APART = True
 
 
+#: (keys per loop step, warps, pipeline stages) for every launch that does not name its own, instead of
+#: BLOCK_N and `warps_stages`: None. For timing other settings inside whole compiled steps, where the
+#: kernel runs early beside its neighbours (floor_matrix.py --variants LABEL:attn=128x4x2).
+SETTINGS: tuple[int, int, int] | None = None
+
+
 def warps_stages(rows: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the decode kernel for a batch of `rows` (`LEAN`)."""
     return (2, 2) if LEAN and 4 <= rows <= 64 else (4, 3)
@@ -268,15 +274,15 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows: int, window: int, scaling: float,
-           splits: int, block_n: int = BLOCK_N, warps: int = 0, stages: int = 0,
+           splits: int, block_n: int = 0, warps: int = 0, stages: int = 0,
            pdl: bool | None = None, fresh: dict | None = None) -> torch.Tensor:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
-    step, warps and pipeline stages (0: `warps_stages`), split count (0: `num_splits`), `pdl` (None: early
-    inside compiled steps on GPUs that have it). `fresh` (fresh.py's operator): query is this step's q as
+    step, warps and pipeline stages (0: `SETTINGS`, or BLOCK_N and `warps_stages`), split count (0:
+    `num_splits`), `pdl` (None: early inside compiled steps on GPUs that have it). `fresh` (fresh.py's operator): query is this step's q as
     its projection left it, [R, H * D], and the dict holds k and v likewise ([R, KVH * D]), the norms'
     weights (None: no norm), their eps, cos and sin [R, D] and the cache cells to write (cell_mapping)."""
-    rule_warps, rule_stages = warps_stages(rows)
-    warps, stages = warps or rule_warps, stages or rule_stages
+    rule = SETTINGS or (BLOCK_N, *warps_stages(rows))
+    block_n, warps, stages = block_n or rule[0], warps or rule[1], stages or rule[2]
     kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
     if fresh is None:
         heads = query.shape[1]
@@ -300,7 +306,7 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
     early = {"launch_pdl": True} if pdl else {}
     width = kv_indices.shape[0] // rows
     if splits == 0:
-        splits = num_splits(rows, kv_heads, width, query.device)
+        splits = num_splits(rows, kv_heads, width, query.device, block_n=block_n)
     keys_per_split, splits = split_keys(width, splits, block_n)
     if fresh is not None:  # which program folds in the new key: the first split's, or one more of its own
         apart = NEW_KEY_APART and splits > 1

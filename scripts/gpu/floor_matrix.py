@@ -116,6 +116,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
+    attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
+    triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
     skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
@@ -127,6 +129,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
+    if "attn" in inductor:
+        modules[(triton_decode, "SETTINGS")] = tuple(int(v) for v in str(inductor.pop("attn")).split("x"))
     if inductor.pop("skinny_timed", False):
         modules[(skinny, "TIMED")] = SKINNY_TIMED
     if "widest" in inductor:
@@ -237,7 +241,9 @@ def main() -> None:
                          "keeps the vocabulary's argmax one reduction (speed/wide_argmax.py); lean=0 launches the "
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
-                         "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM")
+                         "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM; "
+                         "attn=128x4x2 launches the decode attention with 128 keys a loop step, 4 warps, 2 stages "
+                         "(triton_decode.SETTINGS)")
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")

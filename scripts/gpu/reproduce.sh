@@ -44,6 +44,9 @@
 #              default (q/k/v on the kernel at 1-4 rows: skinny.SHORT_K) against q/k/v on cuBLAS (short_k=0)
 #              and on its best tile per row count, 8 rows included (skinny_timed=1: skinny.TIMED); ~6 minutes;
 #              not in the default list
+#   attn       the decode attention's keys per loop step, warps and pipeline stages inside the 0.6B shape's compiled
+#              step at batches 4 and 8 (floor_matrix.py --variants LABEL:attn=KEYSxWARPSxSTAGES: triton_decode.SETTINGS)
+#              against the shipped 64 keys, 2 warps, 2 stages; ~5 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -128,6 +131,9 @@ for s in $sections; do
              --kernels top --skinny-settings "$out/$s/skinny_gemv_qwen3-0.6b-shape.json" \
              --variants "cublasqkv:short_k=0" "timed:skinny_timed=1" > "$out/$s/floor_q06.log" 2>&1
          grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
+    attn) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4,8 --contexts 512 --compile \
+              --variants "k128w4:attn=128x4x2" "k128w2:attn=128x2x2" "k64w4:attn=64x4x2" "k64s3:attn=64x2x3" \
+              > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
