@@ -389,6 +389,12 @@ def small_models_target() -> dict:
     return {**out, **l1b}
 
 
+def small_models_attn() -> dict:
+    """The decode attention's (keys per loop step, warps, stages) inside the 0.6B compiled step at 4 and 8 rows
+    (run1): the shipped 64 / 2 / 2 (compile) against k128w4, k128w2, k64w4 and k64s3; one H100."""
+    return _by_command("gpu_decode_attn_settings_2026-12-06")
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -456,7 +462,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_apart": small_models_apart, "small_models_prefetch": small_models_prefetch,
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
             "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
-            "small_models_qkv": small_models_qkv, "small_models_target": small_models_target}
+            "small_models_qkv": small_models_qkv, "small_models_target": small_models_target,
+            "small_models_attn": small_models_attn}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -527,7 +534,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "4_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
            "small_models_target": [f"figures/data/runs/gpu_small_models_target_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
-               "4_floor_matrix_qwen3-0.6b-shape_b4_8")]}
+               "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
+           "small_models_attn": ["figures/data/runs/gpu_decode_attn_settings_2026-12-06/"
+                                 "1_floor_matrix_qwen3-0.6b-shape_b4_8.json"]}
 
 
 def derive() -> dict:
