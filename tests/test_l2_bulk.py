@@ -95,7 +95,10 @@ def test_the_kernel_asking_for_weights_gives_the_same_bits(rows, monkeypatch):
     cos = torch.randn(rows, dim, device="cuda", dtype=dtype, generator=g)
     sin = torch.randn(rows, dim, device="cuda", dtype=dtype, generator=g)
     qw, kw = (torch.rand(dim, device="cuda", dtype=dtype, generator=g) + 0.5 for _ in range(2))
-    weights = [torch.randn(n, 1024, device="cuda", dtype=dtype, generator=g) for n in (1024, 6144, 1024, 4096)]
+    sizes = [n * 1024 for n in (1024, 6144, 1024, 4096)]
+    block = torch.randn(sum(sizes) + 64 * len(sizes), device="cuda", dtype=dtype, generator=g)
+    starts = [sum(sizes[:i]) + 64 * i for i in range(len(sizes))]  # (apart in memory: four ranges, not one)
+    weights = [block[a: a + n].view(-1, 1024) for a, n in zip(starts, sizes)]
     args = (q, k, v, qw, kw, 1e-6, cos, sin)
     keys = (batch.cell_mapping, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, 0, dim ** -0.5)
     seen = []
