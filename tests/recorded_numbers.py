@@ -395,6 +395,19 @@ def small_models_attn() -> dict:
     return _by_command("gpu_decode_attn_settings_2026-12-06")
 
 
+def small_models_l2_bulk() -> dict:
+    """The weights after each decode attention asked into L2 in bulk (not kept): the 0.6B step (run1: compile
+    against l2 and l2next; run4 at 4 rows, with the decode kernel's and skinny.py's ms per step, *_decode_ms and
+    *_skinny_ms) and the 1B (l1b_...: compile against l2); one H100 (run4 another)."""
+    run = "gpu_small_models_l2_bulk_2026-12-06"
+    out = {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile", "l2"))}
+    (point,) = json.loads((DATA / "runs" / run / "4_floor_matrix_qwen3-0.6b-shape_b4.json").read_text())["points"]
+    for path in ("compile", "l2"):
+        for part, name in (("decode", "attention: _decode_kernel"), ("skinny", "matmul: _skinny_kernel")):
+            out[f"q06_b4_run4_{path}_{part}_ms"] = sum(ms for n, ms, _ in point[path]["kernels"]["top"] if n == name)
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -463,7 +476,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
             "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
             "small_models_qkv": small_models_qkv, "small_models_target": small_models_target,
-            "small_models_attn": small_models_attn}
+            "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -536,7 +549,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
                "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
            "small_models_attn": ["figures/data/runs/gpu_decode_attn_settings_2026-12-06/"
-                                 "1_floor_matrix_qwen3-0.6b-shape_b4_8.json"]}
+                                 "1_floor_matrix_qwen3-0.6b-shape_b4_8.json"],
+           "small_models_l2_bulk": [f"figures/data/runs/gpu_small_models_l2_bulk_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
+               "4_floor_matrix_qwen3-0.6b-shape_b4")]}
 
 
 def derive() -> dict:

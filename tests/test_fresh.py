@@ -160,12 +160,12 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype,
     args = (q, k, v, *weights, 1e-6, cos, sin)
     keys = (batch.cell_mapping, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, window or 0,
             dim ** -0.5)
-    want = fresh.paged_decode_fresh(*args, cache.keys[0], cache.values[0], *keys, False, [])
+    want = fresh.paged_decode_fresh(*args, cache.keys[0], cache.values[0], *keys, False)
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
     combined = []  # the partials each combine launch adds up
     real_combine = triton_decode._combine_kernel
     monkeypatch.setattr(triton_decode, "_combine_kernel", _Spy(real_combine, combined))
-    got = fresh.paged_decode_fresh(*args, twin.keys[0], twin.values[0], *keys, True, [])
+    got = fresh.paged_decode_fresh(*args, twin.keys[0], twin.values[0], *keys, True)
     width = batch.kv_indices.shape[0] // rows
     splits = triton_decode.split_keys(width, triton_decode.num_splits(rows, kv_heads, width, torch.device(device)))[1]
     assert combined == ([splits + apart] if splits > 1 else [])

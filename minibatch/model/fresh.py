@@ -59,7 +59,7 @@ import torch
 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..speed import compiled, l2_bulk
+from ..speed import compiled
 from ..speed.skinny import flat_rows
 from . import triton_decode
 from .attention import attend_rows, decode_mask
@@ -116,9 +116,7 @@ def turned_on(on: bool = True):
 
 
 def install(hf: torch.nn.Module) -> int:
-    """Give each attention layer of `FAMILIES` in `hf` the forward below (once), and the weights read after it
-    (speed/l2_bulk.py, asked into L2 where l2_bulk.ENABLED). -> layers changed."""
-    l2_bulk.attach(hf)
+    """Give each attention layer of `FAMILIES` in `hf` the forward below (once). -> layers changed."""
     changed = 0
     for module in hf.modules():
         if type(module).__name__ in FAMILIES and getattr(module.forward, "func", None) is not _forward:
@@ -142,8 +140,7 @@ def _forward(self, *args, **kwargs):
         q, k, v, q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         float(q_norm.variance_epsilon) if q_norm is not None else 0.0, cos[0], sin[0],
         meta.cache.keys[layer], meta.cache.values[layer], b.cell_mapping, b.kv_indices, b.kv_seq, b.kv_pos,
-        b.positions, b.rows(), int(window or 0), float(self.scaling), meta.decode_attention == "triton",
-        l2_bulk.chosen(self))
+        b.positions, b.rows(), int(window or 0), float(self.scaling), meta.decode_attention == "triton")
     return self.o_proj(out.reshape(*hidden.shape[:-1], -1)), None
 
 
@@ -161,24 +158,22 @@ def paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, cell_mapping: torch.Tensor,
                        kv_indices: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor,
-                       rows: int, window: int, scaling: float, kernel: bool, ahead: list[torch.Tensor]) -> torch.Tensor:
+                       rows: int, window: int, scaling: float, kernel: bool) -> torch.Tensor:
     """q [R, H * D], k and v [R, KVH * D] as their projections left them; norm weights (None: no norm) and
     eps; cos, sin [R, D]; caches [cells, KVH, D], written at cell_mapping -> attention [1, R, H, D].
-    `kernel`: the Triton decode kernel (triton_decode.launch with `fresh`), else `reference`. `ahead`: weights
-    the kernel asks into L2 for the products after it (speed/l2_bulk.py; nothing read from them)."""
+    `kernel`: the Triton decode kernel (triton_decode.launch with `fresh`), else `reference`."""
     if not kernel:
         return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
                          kv_seq, kv_pos, positions, rows, window, scaling)
     k, v, cos, sin, q = (flat_rows(t, t.shape[0]) for t in (k, v, cos, sin, q))  # (the kernel steps along rows)
-    fresh = dict(k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, cell_mapping=cell_mapping,
-                 ahead=ahead)
+    fresh = dict(k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, cell_mapping=cell_mapping)
     return triton_decode.launch(q, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, 0,
                                 fresh=fresh)
 
 
 @paged_decode_fresh.register_fake
 def _(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq, kv_pos,
-      positions, rows, window, scaling, kernel, ahead):
+      positions, rows, window, scaling, kernel):
     return q.new_empty(1, rows, q.shape[1] // k_cache.shape[2], k_cache.shape[2])
 
 

@@ -44,8 +44,7 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheels of PyTorch come without Triton
     triton = None
-from ..speed import l2_bulk
-from ..speed.early import ask_l2_bulk, has_pdl, prefetch_l2, wanted
+from ..speed.early import has_pdl, prefetch_l2, wanted
 
 BLOCK_N = 64  # keys per loop iteration
 
@@ -73,20 +72,6 @@ if triton is not None:
             prefetch_l2(k_ptr + slot[:, None] * sk_s + h * sk_h + lines[None, :])
             prefetch_l2(v_ptr + slot[:, None] * sv_s + h * sv_h + lines[None, :])
         tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def _ask_ahead(a0_ptr, an0, a1_ptr, an1, a2_ptr, an2, a3_ptr, an3, r, h, split, AHEAD: tl.constexpr):
-        """Up to four ranges of weights read after this attention, each program asking its share into L2
-        (speed/l2_bulk.py): returns at once."""
-        program = (r * tl.num_programs(1) + h) * tl.num_programs(2) + split
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        ask_l2_bulk(a0_ptr, an0, program, programs)
-        if AHEAD > 1:
-            ask_l2_bulk(a1_ptr, an1, program, programs)
-        if AHEAD > 2:
-            ask_l2_bulk(a2_ptr, an2, program, programs)
-        if AHEAD > 3:
-            ask_l2_bulk(a3_ptr, an3, program, programs)
 
     @triton.jit
     def _chunk(kvi_ptr, kvs_ptr, kvp_ptr, r, L, start, hi, q_pos, new_slot, BLOCK_N: tl.constexpr,
@@ -131,13 +116,10 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
                        kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
-                       a0_ptr, an0, a1_ptr, an1, a2_ptr, an2, a3_ptr, an3,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr, AHEAD: tl.constexpr):
+                       LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
         r, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if AHEAD > 0:  # (the weights never depend on the kernel before: asked before any wait)
-            _ask_ahead(a0_ptr, an0, a1_ptr, an1, a2_ptr, an2, a3_ptr, an3, r, h, split, AHEAD)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, L)
         offs_g = tl.arange(0, BLOCK_G)
@@ -296,10 +278,9 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
            pdl: bool | None = None, fresh: dict | None = None) -> torch.Tensor:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
     step, warps and pipeline stages (0: `SETTINGS`, or BLOCK_N and `warps_stages`), split count (0:
-    `num_splits`), `pdl` (None: early inside compiled steps on GPUs that have it). `fresh` (fresh.py's
-    operator): query is this step's q as its projection left it, [R, H * D], and the dict holds k and v
-    likewise ([R, KVH * D]), the norms' weights (None: no norm), their eps, cos and sin [R, D], the cache
-    cells to write (cell_mapping) and, optionally, the weights to ask into L2 (`ahead`: speed/l2_bulk.py)."""
+    `num_splits`), `pdl` (None: early inside compiled steps on GPUs that have it). `fresh` (fresh.py's operator): query is this step's q as
+    its projection left it, [R, H * D], and the dict holds k and v likewise ([R, KVH * D]), the norms'
+    weights (None: no norm), their eps, cos and sin [R, D] and the cache cells to write (cell_mapping)."""
     rule = SETTINGS or (BLOCK_N, *warps_stages(rows))
     block_n, warps, stages = block_n or rule[0], warps or rule[1], stages or rule[2]
     kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
@@ -331,17 +312,15 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         apart = NEW_KEY_APART and splits > 1
         extra.append(splits if apart else 0)
         splits += apart  # (its range of keys starts past the last key: its loop is empty)
-    ahead = l2_bulk.ranges(fresh.get("ahead", ())) if fresh is not None and has_pdl(query.device) else []
-    slots = [x for t, n in ahead + [(q, 0)] * (l2_bulk.MAX - len(ahead)) for x in (t, n)]
     partial = [torch.empty(rows * heads * splits * n, device=query.device, dtype=torch.float32)
                for n in (1, 1, dim)] if splits > 1 else [o, o, o]  # m, l, acc (unused without a split)
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, o, kv_indices, kv_seq, kv_pos, positions, *partial,
         *q_strides, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra, *slots,
+        o.stride(0), o.stride(1), width, keys_per_split, scaling, *extra,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         WINDOW=window, IEEE=query.dtype == torch.float32, SPLIT=splits > 1, PDL=pdl,
-        LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm, AHEAD=len(ahead),
+        LINE=min(dim, 128 // k_cache.element_size()), FRESH=fresh is not None, NORM=norm,
         num_warps=warps, num_stages=stages, **early,
     )
     if splits > 1:

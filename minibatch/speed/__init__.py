@@ -6,7 +6,6 @@
     skinny.py     a Triton kernel for products of a few rows by a narrow weight (small models)      07
     gated.py      silu(gate) * up inside that kernel's gate/up product (small models, 1-8 rows)    07
     early.py      kernels launched before the one before them ends (Hopper; compiled steps)         07
-    l2_bulk.py    an experiment, off: the decode attention asks the next weights into L2 (Hopper)  07
     wide_argmax.py  the argmax over a vocabulary in two steps, inside compiled steps                07
     compat.py     the private PyTorch hooks they (and the model) use, one function each               07
     startup_graphs.py  CUDA graphs captured before a server's first request (capture_up_to)  08

@@ -89,20 +89,5 @@ if triton is not None:
         """Ask for these addresses' 128-byte lines to be brought into L2 (a hint: nothing is returned)."""
         return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                                          dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def ask_l2_bulk(base, nbytes, program, programs):
-        """Ask for this program's share of `nbytes` bytes from `base` (16-byte aligned, a multiple of 16) to be
-        brought into L2: one bulk request (sm_90's `cp.async.bulk.prefetch`, a hint that returns at once, so
-        the program goes on while the memory system fetches), issued by the program's first thread."""
-        share = (nbytes + programs * 16 - 1) // (programs * 16) * 16
-        start = program * share
-        size = tl.minimum(share, nbytes - start)
-        if size > 0:
-            ptr = base.to(tl.pointer_type(tl.int8)) + start + tl.zeros([1], tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [ptr, tl.zeros([1], tl.int32) + size], dtype=tl.int32, is_pure=False, pack=1)
 else:
-    prefetch_l2 = ask_l2_bulk = None
+    prefetch_l2 = None

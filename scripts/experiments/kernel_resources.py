@@ -40,11 +40,11 @@ INDEX_POINTERS = ("kvi_ptr", "kvs_ptr", "kvp_ptr", "pos_ptr", "cm_ptr")
 FLOAT32_POINTERS = ("m_ptr", "l_ptr", "acc_ptr", "p_ptr")
 
 
-def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False, ahead: int = 0) -> dict:
+def decode_settings(group: int, split: bool, pdl: bool, fresh: bool = False) -> dict:
     """triton_decode.paged_decode's launch of the decode kernel (head_dim 128, bf16, 9 splits); `fresh`:
     model/fresh.py's (q/k/v from their projections, normed, rotated and cached by the kernel)."""
     return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=128, BLOCK_N=triton_decode.BLOCK_N,
-                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh, AHEAD=ahead)
+                WINDOW=0, IEEE=False, SPLIT=split, PDL=pdl, LINE=64, FRESH=fresh, NORM=fresh)
 
 
 def skinny_settings(rows: int, pdl: bool, n: int = 1024) -> dict:
@@ -81,8 +81,6 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
     for warps, stages in ((4, 3), (2, 2)):
         out.append((f"decode attention, 0.6B, fresh, pdl=1, {warps} warps, {stages} stages",
                     triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True), ints, warps, stages))
-    out.append(("decode attention, 0.6B, fresh, pdl=1, 2 warps, 2 stages, 4 ranges into L2 (l2_bulk)",
-                triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True, ahead=4), ints, 2, 2))
     out.append(("decode combine, 0.6B, 9 splits", triton_decode._combine_kernel,
                 dict(S=9, BLOCK_S=16, D=128, PDL=True), dict(so_r=16 * 128, so_h=128, H=16), 4, 3))
     for rows, pdl in ((1, False), (1, True), (4, False), (4, True)):

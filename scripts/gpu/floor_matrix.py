@@ -69,7 +69,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, gated, l2_bulk, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, gated, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -102,7 +102,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
-            "gated_rows": (gated, "MANY_ROWS"), "l2": (l2_bulk, "ENABLED")}
+            "gated_rows": (gated, "MANY_ROWS")}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -117,8 +117,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
-    triton_decode.SETTINGS), l2=1 (with fresh's path, the decode attention asks the weights read after it into
-    L2 in bulk: speed/l2_bulk.py's ENABLED; l2_reach=next: the next layer's q/k/v too, l2_bulk.REACH),
+    triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
     skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
@@ -130,8 +129,6 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
-    if "l2_reach" in inductor:
-        modules[(l2_bulk, "REACH")] = str(inductor.pop("l2_reach"))
     if "attn" in inductor:
         modules[(triton_decode, "SETTINGS")] = tuple(int(v) for v in str(inductor.pop("attn")).split("x"))
     if inductor.pop("skinny_timed", False):
@@ -246,8 +243,7 @@ def main() -> None:
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM; "
                          "attn=128x4x2 launches the decode attention with 128 keys a loop step, 4 warps, 2 stages "
-                         "(triton_decode.SETTINGS); l2=1 asks the weights after each attention into L2 in bulk (speed/l2_bulk.py), "
-                         "l2_reach=next the next layer's q/k/v too")
+                         "(triton_decode.SETTINGS)")
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")

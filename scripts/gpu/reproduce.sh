@@ -47,10 +47,6 @@
 #   attn       the decode attention's keys per loop step, warps and pipeline stages inside the 0.6B shape's compiled
 #              step at batches 4 and 8 (floor_matrix.py --variants LABEL:attn=KEYSxWARPSxSTAGES: triton_decode.SETTINGS)
 #              against the shipped 64 keys, 2 warps, 2 stages; ~5 minutes; not in the default list
-#   l2         the small models' compiled step with the decode attention asking the weights read after it into
-#              L2 in bulk (speed/l2_bulk.py: l2=1 this layer's, l2_reach=next the next layer's q/k/v too) against
-#              the default, 0.6B and 1B shapes at batches 1, 4 and 8, and the GPU tests of the asks; ~8 minutes;
-#              not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -138,13 +134,6 @@ for s in $sections; do
     attn) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4,8 --contexts 512 --compile \
               --variants "k128w4:attn=128x4x2" "k128w2:attn=128x2x2" "k64w4:attn=64x4x2" "k64s3:attn=64x2x3" \
               > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
-    l2) python3 scripts/gpu/floor_matrix.py "$out/$s/q06" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 \
-            --compile --variants "l2:l2=1" "l2next:l2=1,l2_reach=next" > "$out/$s/floor_q06.log" 2>&1
-        grep "^ \+[148] \+512" "$out/$s/floor_q06.log"
-        python3 scripts/gpu/floor_matrix.py "$out/$s/l1b" --model llama3-1b-shape --batches 1,4,8 --contexts 512 \
-            --compile --variants "l2:l2=1" > "$out/$s/floor_l1b.log" 2>&1; grep "^ \+[148] \+512" "$out/$s/floor_l1b.log"
-        python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_l2_bulk.py tests/test_fresh.py \
-            > "$out/$s/pytest.log" 2>&1; tail -1 "$out/$s/pytest.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
