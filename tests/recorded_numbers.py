@@ -389,6 +389,17 @@ def small_models_target() -> dict:
     return {**out, **l1b}
 
 
+def small_models_target_h200() -> dict:
+    """The small models' default compiled step against its floor on an H200, the kernels of small_models_target's
+    tree: the 0.6B (run1: compile, with q06_b{batch}_compile_s its first call in seconds) and the 1B (l1b_...)."""
+    run = "gpu_small_models_target_h200_2026-12-06"
+    out = {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile",))}
+    for name, key in (("1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "q06"), ("2_floor_matrix_llama3-1b-shape_b1_4_8", "l1b")):
+        for p in json.loads((DATA / "runs" / run / f"{name}.json").read_text())["points"]:
+            out[f"{key}_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
+    return out
+
+
 def small_models_attn() -> dict:
     """The decode attention's (keys per loop step, warps, stages) inside the 0.6B compiled step at 4 and 8 rows
     (run1): the shipped 64 / 2 / 2 (compile) against k128w4, k128w2, k64w4 and k64s3; one H100."""
@@ -476,7 +487,8 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_defer": small_models_defer, "small_models_gated": small_models_gated,
             "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
             "small_models_qkv": small_models_qkv, "small_models_target": small_models_target,
-            "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk}
+            "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk,
+            "small_models_target_h200": small_models_target_h200}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -552,7 +564,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                                  "1_floor_matrix_qwen3-0.6b-shape_b4_8.json"],
            "small_models_l2_bulk": [f"figures/data/runs/gpu_small_models_l2_bulk_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
-               "4_floor_matrix_qwen3-0.6b-shape_b4")]}
+               "4_floor_matrix_qwen3-0.6b-shape_b4")],
+           "small_models_target_h200": [f"figures/data/runs/gpu_small_models_target_h200_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
