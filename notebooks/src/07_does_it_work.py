@@ -732,6 +732,15 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # joined inside the step's CUDA graph at every layer, lost too (0.93 to 1.05 ms <!-- from figures/data/headline.json: small_models_prefetch.q06_b1_run5_apart_ms, small_models_prefetch.q06_b1_run5_side_ms --> on the H200). Both
 # are recorded in BENCHMARKS.md and their code removed.
 #
+# A later try took away the asking cost itself. Hopper has a bulk prefetch (PTX's
+# `cp.async.bulk.prefetch.L2`): one instruction asks for a whole range of memory and returns at once, so
+# each program of the attention asked for its share of the layer's output projection and MLP weights with
+# a few instructions, before its own wait. The products barely noticed, 0.706 to 0.696 ms <!-- from figures/data/headline.json: small_models_l2_bulk.q06_b4_run4_compile_skinny_ms, small_models_l2_bulk.q06_b4_run4_l2_skinny_ms --> a step
+# at 4 rows on an H100, while the attention grew from 0.246 to 0.308 ms <!-- from figures/data/headline.json: small_models_l2_bulk.q06_b4_run4_compile_decode_ms, small_models_l2_bulk.q06_b4_run4_l2_decode_ms -->: its own loads of keys and
+# values now queued behind 23 MB of weights, and the step went from 1.13 to 1.19 ms <!-- from figures/data/headline.json: small_models_l2_bulk.q06_b4_run1_compile_ms, small_models_l2_bulk.q06_b4_run1_l2_ms -->. With its weights
+# already in L2 a small product is hardly faster: its few microseconds are not the trip to memory, they are
+# the cost of being a kernel of its own.
+#
 # Smaller gains came from the product kernel's own settings. With four rows it took longer per product
 # than with one; a likely reason is that every piece of K ends in a sum across the program's threads,
 # and with four rows that sum has four times as many outputs. Keeping the products apart in registers
@@ -938,8 +947,8 @@ else:
 # * A small model's step is bound by its count of kernels, not its bytes. A few-row product kernel of our
 #   own, early launches, combined kernels, a two-step argmax, the activation inside the gate/up product
 #   and the attention's neighbours inside its kernel took the 0.6B compiled step at batch 1 from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> its
-#   floor (every product on cuBLAS, H200) to 2.34x <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b1_run7_fresh_x --> on an H100 (2.42x and 2.38x <!-- from figures/data/headline.json: small_models_gated_tiles.q06_b4_run7_fresh_x, small_models_gated_tiles.q06_b8_run7_fresh_x --> at 4 and 8 rows); the
-#   H200, with its lower floor, was last timed at 3.13-3.28x <!-- from figures/data/headline.json: small_models_apart.q06_b8_run6_compile_x, small_models_apart.q06_b4_run6_compile_x -->, before the activation moved into the product.
+#   floor (every product on cuBLAS, H200) to 2.29x <!-- from figures/data/headline.json: small_models_target.q06_b1_run1_compile_x --> on an H100 (2.37x and 2.38x <!-- from figures/data/headline.json: small_models_target.q06_b4_run1_compile_x, small_models_target.q06_b8_run1_compile_x --> at 4 and 8 rows); on the
+#   H200, with its lower floor, 2.90x <!-- from figures/data/headline.json: small_models_target_h200.q06_b1_run1_compile_x --> at one row and 3.03x <!-- from figures/data/headline.json: small_models_target_h200.q06_b4_run1_compile_x, small_models_target_h200.q06_b8_run1_compile_x --> at 4 and 8.
 #   What is left is ~240 kernels a step, each a few microseconds long.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
