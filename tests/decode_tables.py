@@ -1,6 +1,7 @@
 """A decode batch in the decode layout over rows of cached tokens, and its cache filled with random keys
-and values: what the decode kernels' tests (test_paged_kernel.py, test_fresh.py) run on; and one decode
-step compiled through the graph passes against the eager step (the passes' tests)."""
+and values: what the decode kernels' tests (test_paged_kernel.py, test_fresh.py) run on, with a spy on
+their launches; and one decode step compiled through the graph passes against the eager step (the passes'
+tests)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,16 @@ def routed_step(name: str, *passes):
         seen.append((counts, [n.target for n in gm.graph.nodes]))
 
     return (model, seen, *compiled_and_eager(model, run))
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel: notes `note(keyword arguments)` of each launch in `seen`, then launches."""
+
+    def __init__(self, kernel, seen: list, note):
+        self.kernel, self.seen, self.note = kernel, seen, note
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.seen.append(self.note(kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minibatch
-from decode_tables import decode_batch
+from decode_tables import LaunchSpy, decode_batch
 from minibatch.core.batch import build_batch
 from minibatch.core.buckets import ROW_BUCKETS
 from minibatch.core.requests import Request, SamplingParams
@@ -164,7 +164,7 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype,
     monkeypatch.setattr(triton_decode, "NEW_KEY_APART", apart)
     combined = []  # the partials each combine launch adds up
     real_combine = triton_decode._combine_kernel
-    monkeypatch.setattr(triton_decode, "_combine_kernel", _Spy(real_combine, combined))
+    monkeypatch.setattr(triton_decode, "_combine_kernel", LaunchSpy(real_combine, combined, lambda kw: kw["S"]))
     got = fresh.paged_decode_fresh(*args, twin.keys[0], twin.values[0], *keys, True)
     width = batch.kv_indices.shape[0] // rows
     splits = triton_decode.split_keys(width, triton_decode.num_splits(rows, kv_heads, width, torch.device(device)))[1]
@@ -177,19 +177,6 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype,
     for a, b in ((twin.keys[0], cache.keys[0]), (twin.values[0], cache.values[0])):
         assert torch.equal(a[~written.to(a.device)], b[~written.to(a.device)])  # (nothing else touched)
         torch.testing.assert_close(a[written.to(a.device)], b[written.to(a.device)], **tol)
-
-
-class _Spy:
-    """A Triton kernel that notes the S (partials combined) of each launch, then launches."""
-
-    def __init__(self, kernel, seen: list):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            self.seen.append(kwargs["S"])
-            return self.kernel[grid](*args, **kwargs)
-        return run
 
 
 def test_fewer_programs_per_sm_split_the_keys_less():

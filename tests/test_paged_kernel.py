@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 import minibatch  # noqa: E402
-from decode_tables import decode_batch  # noqa: E402
+from decode_tables import LaunchSpy, decode_batch  # noqa: E402
 from minibatch.model import triton_decode  # noqa: E402
 from minibatch.model.attention import PagedMeta, _decode_attention  # noqa: E402
 
@@ -72,16 +72,9 @@ def test_settings_for_every_launch_give_the_same_output(monkeypatch):
     query = torch.randn(1, 4, batch.decode_rows, 16, device=DEVICE)
     args = (query, cache.keys[0], cache.values[0], batch, None, None, None)
     shipped = triton_decode.decode_attention(*args)
-    kernel, seen = triton_decode._decode_kernel, []
-
-    class Spy:  # the launch's settings, then the kernel itself
-        def __getitem__(self, grid):
-            def run(*a, **kw):
-                seen.append((kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
-                return kernel[grid](*a, **kw)
-            return run
-
-    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    seen = []
+    monkeypatch.setattr(triton_decode, "_decode_kernel", LaunchSpy(
+        triton_decode._decode_kernel, seen, lambda kw: (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])))
     monkeypatch.setattr(triton_decode, "SETTINGS", (128, 4, 2))
     torch.testing.assert_close(triton_decode.decode_attention(*args), shipped, atol=1e-5, rtol=1e-5)
     assert seen == [(128, 4, 2)]

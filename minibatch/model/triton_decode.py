@@ -278,9 +278,10 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
            pdl: bool | None = None, fresh: dict | None = None) -> torch.Tensor:
     """paged_decode's work, its settings as arguments (for experiments: decode_kernel_tune.py): keys per loop
     step, warps and pipeline stages (0: `SETTINGS`, or BLOCK_N and `warps_stages`), split count (0:
-    `num_splits`), `pdl` (None: early inside compiled steps on GPUs that have it). `fresh` (fresh.py's operator): query is this step's q as
-    its projection left it, [R, H * D], and the dict holds k and v likewise ([R, KVH * D]), the norms'
-    weights (None: no norm), their eps, cos and sin [R, D] and the cache cells to write (cell_mapping)."""
+    `num_splits`), `pdl` (None: early inside compiled steps on GPUs that have it). `fresh` (fresh.py's
+    operator): query is this step's q as its projection left it, [R, H * D], and the dict holds k and v
+    likewise ([R, KVH * D]), the norms' weights (None: no norm), their eps, cos and sin [R, D] and the cache
+    cells to write (cell_mapping)."""
     rule = SETTINGS or (BLOCK_N, *warps_stages(rows))
     block_n, warps, stages = block_n or rule[0], warps or rule[1], stages or rule[2]
     kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
