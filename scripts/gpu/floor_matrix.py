@@ -119,7 +119,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
     triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
-    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED); every other name is Inductor config."""
+    skinny_timed=1 (--skinny-settings' settings as skinny.TIMED), tile=ROWS:N:K/... (those products on skinny.py's
+    tensor-core tile, skinny.TILE, as skinny.TIMED); every other name is Inductor config."""
     label, _, changes = spec.partition(":")
     inductor = dict(parse_setting(c) for c in changes.split(",") if c)
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
@@ -133,6 +134,9 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(triton_decode, "SETTINGS")] = tuple(int(v) for v in str(inductor.pop("attn")).split("x"))
     if inductor.pop("skinny_timed", False):
         modules[(skinny, "TIMED")] = SKINNY_TIMED
+    if "tile" in inductor:  # (products by rows:n:k on skinny.py's tensor-core tile, whatever its rule says)
+        modules[(skinny, "TIMED")] = {tuple(map(int, p.split(":"))): dict(skinny.TILE)
+                                      for p in str(inductor.pop("tile")).split("/")}
     if "widest" in inductor:
         modules[(skinny, "WIDEST")] = dict(map(int, p.split(":")) for p in str(inductor.pop("widest")).split("/"))
     return label, inductor, modules
@@ -243,7 +247,8 @@ def main() -> None:
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM; "
                          "attn=128x4x2 launches the decode attention with 128 keys a loop step, 4 warps, 2 stages "
-                         "(triton_decode.SETTINGS)")
+                         "(triton_decode.SETTINGS); tile=8:1024:3072 runs the 8-row products of 1024 x 3072 on "
+                         "skinny.py's tensor-core tile (skinny.TILE, as skinny.TIMED)")
     ap.add_argument("--gated-settings", default=None, metavar="JSON",
                     help="skinny_gemv_ab.py --grid gated's output: its best setting per row count becomes gated.py's "
                          "(gated.TIMED) for every path of this run")

@@ -47,6 +47,10 @@
 #   attn       the decode attention's keys per loop step, warps and pipeline stages inside the 0.6B shape's compiled
 #              step at batches 4 and 8 (floor_matrix.py --variants LABEL:attn=KEYSxWARPSxSTAGES: triton_decode.SETTINGS)
 #              against the shipped 64 keys, 2 warps, 2 stages; ~5 minutes; not in the default list
+#   down8      the 0.6B shape's compiled step at batch 8 with its down product (1024 x 3072), its attention output
+#              (1024 x 2048) or both on skinny.py's tensor-core tile instead of cuBLAS, whose down product at 8 rows
+#              is two kernels (split K, then a reduce): floor_matrix.py --variants ...:tile=8:1024:3072; ~3 minutes;
+#              not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -134,6 +138,9 @@ for s in $sections; do
     attn) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4,8 --contexts 512 --compile \
               --variants "k128w4:attn=128x4x2" "k128w2:attn=128x2x2" "k64w4:attn=64x4x2" "k64s3:attn=64x2x3" \
               > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
+    down8) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 8 --contexts 512 --compile \
+               --kernels top --variants "down8:tile=8:1024:3072" "o8:tile=8:1024:2048" "both8:tile=8:1024:3072/8:1024:2048" \
+               > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+8 \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
