@@ -380,22 +380,24 @@ def small_models_target() -> dict:
     against nofresh and cublasqkv; run4: the decode attention's programs per SM, sm4 and sm1) and the 1B (l1b_...:
     compile and nofresh, with the default's first call in seconds); one H100."""
     run = "gpu_small_models_target_2026-12-06"
-    out = _by_command(run)
-    for p in json.loads((DATA / "runs" / run / "1_floor_matrix_qwen3-0.6b-shape_b1_4_8.json").read_text())["points"]:
-        out[f"q06_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
-    l1b = _l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile", "nofresh"))
-    for p in json.loads((DATA / "runs" / run / "2_floor_matrix_llama3-1b-shape_b1_4_8.json").read_text())["points"]:
-        l1b[f"l1b_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
-    return {**out, **l1b}
+    return {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile", "nofresh")),
+            **_first_calls(run)}
 
 
 def small_models_target_h200() -> dict:
     """The small models' default compiled step against its floor on an H200, the kernels of small_models_target's
     tree: the 0.6B (run1: compile, with q06_b{batch}_compile_s its first call in seconds) and the 1B (l1b_...)."""
     run = "gpu_small_models_target_h200_2026-12-06"
-    out = {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile",))}
+    return {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile",)),
+            **_first_calls(run)}
+
+
+def _first_calls(folder: str) -> dict:
+    """The default compile's first call in seconds, {q06|l1b}_b{batch}_compile_s, from a target run's two floor
+    matrices (1_: the 0.6B shape, 2_: the 1B shape, batches 1, 4 and 8)."""
+    out = {}
     for name, key in (("1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "q06"), ("2_floor_matrix_llama3-1b-shape_b1_4_8", "l1b")):
-        for p in json.loads((DATA / "runs" / run / f"{name}.json").read_text())["points"]:
+        for p in json.loads((DATA / "runs" / folder / f"{name}.json").read_text())["points"]:
             out[f"{key}_b{p['batch']}_compile_s"] = p["compile"]["first_call_s"]
     return out
 
