@@ -49,8 +49,12 @@
 #              against the shipped 64 keys, 2 warps, 2 stages; ~5 minutes; not in the default list
 #   down8      the 0.6B shape's compiled step at batch 8 with its down product (1024 x 3072), its attention output
 #              (1024 x 2048) or both on skinny.py's tensor-core tile instead of cuBLAS, whose down product at 8 rows
-#              is two kernels (split K, then a reduce): floor_matrix.py --variants ...:tile=8:1024:3072; ~3 minutes;
+#              is two kernels (split K, then a reduce): floor_matrix.py --variants ...:tile=8:1024:3072; and the
+#              down product's tile with its first piece of weights read before it waits (hoist=1); ~4 minutes;
 #              not in the default list
+#   hoist      the 0.6B shape's compiled step at batch 4 with skinny.py's kernels reading their first piece of weights
+#              before they wait (hoist=1: skinny.HOIST), with the decode attention on fewer splits (per_sm=1), both,
+#              and the default again (the run's noise); ~3 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -140,7 +144,11 @@ for s in $sections; do
               > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
     down8) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 8 --contexts 512 --compile \
                --kernels top --variants "down8:tile=8:1024:3072" "o8:tile=8:1024:2048" "both8:tile=8:1024:3072/8:1024:2048" \
+               "down8h:tile=8:1024:3072,hoist=1" \
                > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+8 \+512" "$out/$s/floor_q06.log" ;;
+    hoist) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4 --contexts 512 --compile \
+               --variants "hoist:hoist=1" "sm1:per_sm=1" "hoist_sm1:hoist=1,per_sm=1" "again:" \
+               > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+4 \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
