@@ -55,6 +55,9 @@
 #   hoist      the 0.6B shape's compiled step at batch 4 with skinny.py's kernels reading their first piece of weights
 #              before they wait (hoist=1: skinny.HOIST), with the decode attention on fewer splits (per_sm=1), both,
 #              and the default again (the run's noise); ~3 minutes; not in the default list
+#   combo      the 0.6B shape's compiled step at batches 4 and 8 without Inductor's combo kernels (combo_kernels=0,
+#              compiled.COMBO) against the default and the default again, with the sources of the step's
+#              pointwise kernels that Inductor named without their ops; ~4 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -149,6 +152,12 @@ for s in $sections; do
     hoist) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4 --contexts 512 --compile \
                --variants "hoist:hoist=1" "sm1:per_sm=1" "hoist_sm1:hoist=1,per_sm=1" "again:" \
                > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+4 \+512" "$out/$s/floor_q06.log" ;;
+    combo) cache=$(mktemp -d)  # (Inductor's generated kernels: the sources of the step's one-per-step kernels kept)
+           TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
+             --batches 4,8 --contexts 512 --compile --kernels top --variants "nocombo:combo_kernels=0" "again:" \
+             > "$out/$s/floor_q06.log" 2>&1; grep -A4 "^ \+[48] \+512" "$out/$s/floor_q06.log"
+           mkdir -p "$out/$s/kernels"; grep -rlE "def triton_poi_fused_[0-9]+\(|def triton_poi_fused_.*fresh" "$cache" \
+             | while read -r f; do cp "$f" "$out/$s/kernels/"; done; rm -rf "$cache"; ls "$out/$s/kernels" | head -40 ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
