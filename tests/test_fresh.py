@@ -6,6 +6,7 @@ before pytest starts, as tests/test_paged_kernel.py says): the kernel against th
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -191,23 +192,32 @@ def test_fewer_programs_per_sm_split_the_keys_less():
     assert triton_decode.num_splits(1, 8, 512, cpu, 0.125) == 2
 
 
-def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(monkeypatch):
+@pytest.mark.parametrize("one_rotary", [True, False])
+def test_a_compiled_forward_calls_the_operator_on_the_cache_itself(one_rotary, monkeypatch):
     """Under torch.compile (Inductor, on the CPU here) the operator writes the cache in place: its outputs
     and the cache it leaves are the eager fresh path's (up to the compiled norms' rounding), and the
-    generated code copies no cache (a copy per layer would be the whole cache's bytes, every step)."""
+    generated code copies no cache (a copy per layer would be the whole cache's bytes, every step); every
+    layer's call reads one cos and one sin (fresh.ONE_ROTARY; off, a copy of each per layer)."""
     from torch._inductor.utils import run_and_get_code
 
     model = minibatch.load_model("random-qwen3", device="cpu", dtype=torch.float32)
     fresh.install(model.hf)
     monkeypatch.setattr(fresh, "ENABLED", True)
+    monkeypatch.setattr(fresh, "ONE_ROTARY", one_rotary)
     shape = ([5, 11, 3], model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
     (cache, batch), (twin, _) = decode_batch(*shape), decode_batch(*shape)
     with torch.inference_mode():
         eager = model._forward(batch, cache)
-        got, code = run_and_get_code(torch.compile(model._forward, fullgraph=True), batch, twin)
+        # (no cached graph: a compile from before a change to the operator's tags would hide it)
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+                enable_autograd_cache=False):
+            got, code = run_and_get_code(torch.compile(model._forward, fullgraph=True), batch, twin)
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
     for a, b in zip((*twin.keys, *twin.values), (*cache.keys, *cache.values)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     source = "\n".join(code)
-    assert source.count("paged_decode_fresh.default(") == model.num_layers
+    calls = [c.split(", ") for c in re.findall(r"paged_decode_fresh(?:_exact_strides)?\.default\(([^)]*)\)", source)]
+    assert len(calls) == model.num_layers
     assert "clone" not in source
+    # one cos and one sin for every layer's call (the operator's flexible layout), else a copy of each per layer
+    assert len({tuple(c[6:8]) for c in calls}) == (1 if one_rotary else model.num_layers), [c[6:8] for c in calls]

@@ -125,6 +125,11 @@ def install(hf: torch.nn.Module) -> int:
     return changed
 
 
+#: Whether a compiled step's layers share one cos and one sin (paged_decode_fresh's flexible layout); False: each
+#: layer's call gets copies of its own, as it did without that layout (for timing the difference)
+ONE_ROTARY = True
+
+
 def _forward(self, *args, **kwargs):
     meta = kwargs.get("minibatch")
     if not (ENABLED and meta is not None and meta.batch.decode_rows):
@@ -136,9 +141,10 @@ def _forward(self, *args, **kwargs):
     # Qwen2 and Qwen3 layers know their own window; Mistral's attention passes its config's
     window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
     b, layer = meta.batch, self.layer_idx
-    out = paged_decode_fresh(
+    op = paged_decode_fresh if ONE_ROTARY else _exact_strides
+    out = op(
         q, k, v, q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-        float(q_norm.variance_epsilon) if q_norm is not None else 0.0, cos[0], sin[0],
+        float(q_norm.variance_epsilon) if q_norm is not None else 0.0, cos, sin,
         meta.cache.keys[layer], meta.cache.values[layer], b.cell_mapping, b.kv_indices, b.kv_seq, b.kv_pos,
         b.positions, b.rows(), int(window or 0), float(self.scaling), meta.decode_attention == "triton")
     return self.o_proj(out.reshape(*hidden.shape[:-1], -1)), None
@@ -153,15 +159,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # Why a custom operator: as triton_decode.paged_decode (Inductor calls the kernel as it is); it writes the
 # caches, which it says (mutates_args), so that the compiler orders it after earlier reads of them.
-@torch.library.custom_op("minibatch::paged_decode_fresh", mutates_args=("k_cache", "v_cache"))
-def paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, cell_mapping: torch.Tensor,
-                       kv_indices: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor,
-                       rows: int, window: int, scaling: float, kernel: bool) -> torch.Tensor:
+# Why a flexible layout (the tag): the kernel reads every input through its strides, and with the default
+# (exact strides) Inductor gives each call an input of its own wherever that input is not yet a buffer: the
+# rotary cos and sin, which every layer shares, were computed again for every layer instead of once.
+# `ONE_ROTARY` False calls the same operator registered without the tag (floor_matrix.py --variants ...:rotary=0).
+def _paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, cell_mapping: torch.Tensor,
+                        kv_indices: torch.Tensor, kv_seq: torch.Tensor, kv_pos: torch.Tensor, positions: torch.Tensor,
+                        rows: int, window: int, scaling: float, kernel: bool) -> torch.Tensor:
     """q [R, H * D], k and v [R, KVH * D] as their projections left them; norm weights (None: no norm) and
-    eps; cos, sin [R, D]; caches [cells, KVH, D], written at cell_mapping -> attention [1, R, H, D].
-    `kernel`: the Triton decode kernel (triton_decode.launch with `fresh`), else `reference`."""
+    eps; cos, sin [R, D] (or [1, R, D], as the model's rotary embedding makes them); caches [cells, KVH, D],
+    written at cell_mapping -> attention [1, R, H, D]. `kernel`: the Triton decode kernel (triton_decode.launch
+    with `fresh`), else `reference`."""
+    cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     if not kernel:
         return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
                          kv_seq, kv_pos, positions, rows, window, scaling)
@@ -171,10 +182,17 @@ def paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                                 fresh=fresh)
 
 
-@paged_decode_fresh.register_fake
-def _(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq, kv_pos,
-      positions, rows, window, scaling, kernel):
+def _fake(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq, kv_pos,
+          positions, rows, window, scaling, kernel):
     return q.new_empty(1, rows, q.shape[1] // k_cache.shape[2], k_cache.shape[2])
+
+
+paged_decode_fresh = torch.library.custom_op("minibatch::paged_decode_fresh", mutates_args=("k_cache", "v_cache"),
+                                             tags=(torch.Tag.flexible_layout,))(_paged_decode_fresh)
+paged_decode_fresh.register_fake(_fake)
+_exact_strides = torch.library.custom_op("minibatch::paged_decode_fresh_exact_strides",
+                                         mutates_args=("k_cache", "v_cache"))(_paged_decode_fresh)
+_exact_strides.register_fake(_fake)
 
 
 def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,

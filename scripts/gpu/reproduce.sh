@@ -58,6 +58,9 @@
 #   combo      the 0.6B shape's compiled step at batches 4 and 8 without Inductor's combo kernels (combo_kernels=0,
 #              compiled.COMBO) against the default and the default again, with the sources of the step's
 #              pointwise kernels that Inductor named without their ops; ~4 minutes; not in the default list
+#   rotary     the 0.6B shape's compiled step at batches 4 and 8 with one rotary cos and sin for every layer (the
+#              default: model/fresh.py's operator with a flexible layout) against a copy computed per layer
+#              (rotary=0: fresh.ONE_ROTARY), and the default again; ~3 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
 #   sweep      model shape x batch size x context, sync against async, against the full floor (sweep.py)
@@ -158,6 +161,9 @@ for s in $sections; do
              > "$out/$s/floor_q06.log" 2>&1; grep -A4 "^ \+[48] \+512" "$out/$s/floor_q06.log"
            mkdir -p "$out/$s/kernels"; grep -rlE "def triton_poi_fused_[0-9]+\(|def triton_poi_fused_.*fresh" "$cache" \
              | while read -r f; do cp "$f" "$out/$s/kernels/"; done; rm -rf "$cache"; ls "$out/$s/kernels" | head -40 ;;
+    rotary) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4,8 --contexts 512 --compile \
+              --kernels top --variants "rotary0:rotary=0" "again:" > "$out/$s/floor_q06.log" 2>&1
+            grep -A4 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
     triton) python3 -m minibatch bench "${eightb[@]}" --modes sync,async --floor --decode-attention triton \
               --out "$out/$s" > "$out/$s/bench.log" 2>&1; tail -14 "$out/$s/bench.log" ;;
     profile) python3 scripts/gpu/profile_async.py "$out/$s" > "$out/$s/profile.log" 2>&1
