@@ -180,6 +180,25 @@ def test_the_kernel_does_what_the_torch_path_does(ctx_lens, window, norm, dtype,
         torch.testing.assert_close(a[written.to(a.device)], b[written.to(a.device)], **tol)
 
 
+def test_the_kernel_reads_cos_and_sin_in_any_layout():
+    """cos and sin [1, R, D] laid out column by column (as Inductor may lay out the one copy every layer
+    shares: fresh.py's flexible layout) give the kernel's attention and cache bit for bit as rows do."""
+    pytest.importorskip("triton")
+    if not (INTERPRET or torch.cuda.is_available()):
+        pytest.skip("the Triton kernel needs a GPU, or TRITON_INTERPRET=1 set before pytest starts")
+    device, dtype, heads, kv_heads, dim = ("cpu" if INTERPRET else "cuda"), torch.float32, 4, 2, 16
+    (cache, batch), (twin, _) = (decode_batch([150, 7, 260], 1, kv_heads, dim, dtype, device) for _ in range(2))
+    rows = batch.decode_rows
+    q, k, v, (qw, kw), cos, sin = _raw(rows, heads, kv_heads, dim, dtype, device, batch.positions)
+    columns = [t.t().contiguous().t()[None] for t in (cos, sin)]  # [1, R, D], strides (.., 1, R)
+    assert columns[0].stride()[1:] == (1, rows)
+    keys = (batch.cell_mapping, batch.kv_indices, batch.kv_seq, batch.kv_pos, batch.positions, rows, 0, dim ** -0.5)
+    want = fresh.paged_decode_fresh(q, k, v, qw, kw, 1e-6, cos, sin, cache.keys[0], cache.values[0], *keys, True)
+    got = fresh.paged_decode_fresh(q, k, v, qw, kw, 1e-6, *columns, twin.keys[0], twin.values[0], *keys, True)
+    assert torch.equal(got, want)
+    assert torch.equal(twin.keys[0], cache.keys[0]) and torch.equal(twin.values[0], cache.values[0])
+
+
 def test_fewer_programs_per_sm_split_the_keys_less():
     """triton_decode.num_splits (plain arithmetic: no Triton needed) at 4 rows x 8 key/value heads x 512 keys:
     8 splits for the shipped 2 programs per SM (9 wanted, 8 chunks of 64 keys), fewer for fractions, none at

@@ -176,7 +176,9 @@ def _paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_wei
     if not kernel:
         return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
                          kv_seq, kv_pos, positions, rows, window, scaling)
-    k, v, cos, sin, q = (flat_rows(t, t.shape[0]) for t in (k, v, cos, sin, q))  # (the kernel steps along rows)
+    # (the kernel steps along rows; cos and sin as Inductor laid them out, whatever their strides: a flexible
+    # layout gave them transposed, and a copy each would be two more kernels a layer)
+    k, v, q = (flat_rows(t, t.shape[0]) for t in (k, v, q))
     fresh = dict(k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, cell_mapping=cell_mapping)
     return triton_decode.launch(q, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, 0,
                                 fresh=fresh)

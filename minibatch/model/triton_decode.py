@@ -115,7 +115,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kvi_ptr, kvs_ptr, kvp_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        sq_r, sq_h, sk_s, sk_h, sv_s, sv_h, so_r, so_h, L, keys_per_split, scale,
-                       kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, cm_ptr, eps, new_split,
+                       kn_ptr, vn_ptr, skn_r, svn_r, qw_ptr, kw_ptr, cos_ptr, sin_ptr, scs_r, scs_d, cm_ptr, eps,
+                       new_split,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                        WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
                        LINE: tl.constexpr, FRESH: tl.constexpr, NORM: tl.constexpr):
@@ -130,8 +131,9 @@ if triton is not None:
             _early_start(kvi_ptr, k_ptr, v_ptr, r, h, L, lo, hi, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, LINE)
         gmask = offs_g[:, None] < G
         heads = h * G + offs_g
-        q = query_heads(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_ptr + r * scs_r,
-                        sin_ptr + r * scs_r, eps, D, FRESH, NORM)
+        cos_d, sin_d = cos_ptr + r * scs_r + offs_d * scs_d, sin_ptr + r * scs_r + offs_d * scs_d  # (FRESH)
+        q = query_heads(q_ptr + r * sq_r + heads[:, None] * sq_h, offs_d, gmask, qw_ptr, cos_d, sin_d, eps, D, FRESH,
+                        NORM)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -149,7 +151,7 @@ if triton is not None:
             if split == new_split:  # one program per (row, head): the new key and value, into the cache and the sums
                 m_i, l_i, acc = new_key(q, m_i, l_i, acc, kn_ptr + r * skn_r + h * D, vn_ptr + r * svn_r + h * D,
                                         k_ptr + new_slot * sk_s + h * sk_h, v_ptr + new_slot * sv_s + h * sv_h,
-                                        offs_d, kw_ptr, cos_ptr + r * scs_r, sin_ptr + r * scs_r, eps, scale, D, NORM)
+                                        offs_d, kw_ptr, cos_d, sin_d, eps, scale, D, NORM)
         _finish(m_i, l_i, acc, r, heads, split, offs_g, offs_d, gmask, m_ptr, l_ptr, acc_ptr, o_ptr, so_r, so_h, G, D,
                 SPLIT)
 
@@ -291,14 +293,16 @@ def launch(query, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows:
         if q.stride(2) != 1:
             q = q.contiguous()
         q_strides, norm = (q.stride(0), q.stride(1)), False
-        extra = [q, q, 0, 0, q, q, q, q, 0, q, 0.0, 0]  # (the FRESH arguments: unused)
+        extra = [q, q, 0, 0, q, q, q, q, 0, 1, q, 0.0, 0]  # (the FRESH arguments: unused)
     else:
         q, heads = query, query.shape[1] // dim
         k_new, v_new, cos, sin = fresh["k"], fresh["v"], fresh["cos"], fresh["sin"]
         norm = fresh["q_weight"] is not None
         weights = [fresh["q_weight"], fresh["k_weight"]] if norm else [q, q]
         q_strides = (q.stride(0), dim)
-        extra = [k_new, v_new, k_new.stride(0), v_new.stride(0), *weights, cos, sin, cos.stride(0),
+        if cos.stride() != sin.stride():
+            raise ValueError(f"cos and sin need one layout, got strides {cos.stride()} and {sin.stride()}")
+        extra = [k_new, v_new, k_new.stride(0), v_new.stride(0), *weights, cos, sin, *cos.stride(),
                  fresh["cell_mapping"], float(fresh["eps"])]  # (and the new key's split: below)
     group = heads // kv_heads
     out = torch.empty(1, rows, heads, dim, device=query.device, dtype=query.dtype)

@@ -15,10 +15,10 @@ except ImportError:  # the CPU wheels of PyTorch come without Triton
 if triton is not None:
 
     @triton.jit
-    def fresh_heads(base, offs_d, mask, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, NORM: tl.constexpr):
+    def fresh_heads(base, offs_d, mask, w_ptr, cos_d, sin_d, eps, D: tl.constexpr, NORM: tl.constexpr):
         """Head vectors [R, D] from `base` ([R, 1] pointers): RMSNorm over D with weight w (NORM), then the
-        rotary embedding with this row's cos and sin, each product rounded to the input's dtype as
-        the model's own ops round it (fresh.py)."""
+        rotary embedding with this row's cos and sin (`cos_d`, `sin_d`: [D] pointers, any stride), each product
+        rounded to the input's dtype as the model's own ops round it (fresh.py)."""
         perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1], i.e. x[perm] with the first half negated
         x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
         xp = tl.load(base + perm[None, :], mask=mask, other=0.0)
@@ -29,28 +29,28 @@ if triton is not None:
             w, wp = tl.load(w_ptr + offs_d).to(tl.float32), tl.load(w_ptr + perm).to(tl.float32)
             x = (w[None, :] * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             xp = (wp[None, :] * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c, s = tl.load(cos_ptr + offs_d).to(tl.float32), tl.load(sin_ptr + offs_d).to(tl.float32)
+        c, s = tl.load(cos_d).to(tl.float32), tl.load(sin_d).to(tl.float32)
         sign = tl.where(offs_d < D // 2, -1.0, 1.0)
         a = (x * c[None, :]).to(dt).to(tl.float32)  # q * cos + rotate_half(q) * sin, each product rounded
         b = ((sign[None, :] * xp) * s[None, :]).to(dt).to(tl.float32)
         return (a + b).to(dt)
 
     @triton.jit
-    def query_heads(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, FRESH: tl.constexpr,
+    def query_heads(q_rows, offs_d, gmask, qw_ptr, cos_d, sin_d, eps, D: tl.constexpr, FRESH: tl.constexpr,
                     NORM: tl.constexpr):
         """The query heads a program serves [BLOCK_G, D]: as RoPE left them, or (FRESH: fresh.py) as their
         projection did, normed and rotated here."""
         if FRESH:
-            return fresh_heads(q_rows, offs_d, gmask, qw_ptr, cos_ptr, sin_ptr, eps, D, NORM)
+            return fresh_heads(q_rows, offs_d, gmask, qw_ptr, cos_d, sin_d, eps, D, NORM)
         return tl.load(q_rows + offs_d[None, :], mask=gmask, other=0.0)
 
     @triton.jit
-    def new_key(q, m_i, l_i, acc, k_raw, v_raw, k_cell, v_cell, offs_d, kw_ptr, cos_ptr, sin_ptr, eps, scale,
+    def new_key(q, m_i, l_i, acc, k_raw, v_raw, k_cell, v_cell, offs_d, kw_ptr, cos_d, sin_d, eps, scale,
                 D: tl.constexpr, NORM: tl.constexpr):
         """This step's key (normed and rotated) and value: written into the cache cell, and folded into the
         running max m, sum l and weighted values acc like one more key (always visible: the row's own)."""
-        k_new = fresh_heads(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_ptr,
-                            sin_ptr, eps, D, NORM)  # [1, D]
+        k_new = fresh_heads(k_raw + tl.zeros([1, 1], tl.int32), offs_d, offs_d[None, :] < D, kw_ptr, cos_d,
+                            sin_d, eps, D, NORM)  # [1, D]
         v_new = tl.load(v_raw + offs_d[None, :])
         tl.store(k_cell + offs_d[None, :], k_new.to(k_cell.dtype.element_ty))
         tl.store(v_cell + offs_d[None, :], v_new.to(v_cell.dtype.element_ty))

@@ -77,7 +77,7 @@ def kernels() -> list[tuple[str, object, dict, dict, int, int]]:
                         triton_decode._decode_kernel, decode_settings(group, True, pdl), ints, warps, stages))
     # the 0.6B step with fresh.ENABLED: q, k and v read from the merged q/k/v product's rows (4096 wide)
     ints = dict(sq_r=4096, sq_h=128, sk_s=8 * 128, sk_h=128, sv_s=8 * 128, sv_h=128, so_r=16 * 128, so_h=128, L=576,
-                keys_per_split=64, skn_r=4096, svn_r=4096, scs_r=128)
+                keys_per_split=64, skn_r=4096, svn_r=4096, scs_r=128, scs_d=1)
     for warps, stages in ((4, 3), (2, 2)):
         out.append((f"decode attention, 0.6B, fresh, pdl=1, {warps} warps, {stages} stages",
                     triton_decode._decode_kernel, decode_settings(2, True, True, fresh=True), ints, warps, stages))
