@@ -117,6 +117,7 @@ def turned_on(on: bool = True):
 
 def install(hf: torch.nn.Module) -> int:
     """Give each attention layer of `FAMILIES` in `hf` the forward below (once). -> layers changed."""
+    _lowering()  # (Inductor's layout rule for the operator: `_shared_rotary`)
     changed = 0
     for module in hf.modules():
         if type(module).__name__ in FAMILIES and getattr(module.forward, "func", None) is not _forward:
@@ -159,10 +160,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # Why a custom operator: as triton_decode.paged_decode (Inductor calls the kernel as it is); it writes the
 # caches, which it says (mutates_args), so that the compiler orders it after earlier reads of them.
-# Why a flexible layout (the tag): the kernel reads every input through its strides, and with the default
-# (exact strides) Inductor gives each call an input of its own wherever that input is not yet a buffer: the
-# rotary cos and sin, which every layer shares, were computed again for every layer instead of once.
-# `ONE_ROTARY` False calls the same operator registered without the tag (floor_matrix.py --variants ...:rotary=0).
+# Why a layout rule of its own (`_lowering`): with Inductor's default for an operator (every input in the
+# strides it had when traced), an input that is not yet a buffer is computed again for each call that reads
+# it: the rotary cos and sin, which every layer shares, were computed once per layer instead of once. With
+# no rule at all (a flexible layout) they were computed once, but laid out column by column, and the
+# kernel's reads of them got slower. The rule makes them one buffer, in rows, for every layer.
+# `ONE_ROTARY` False calls the same operator without that rule (floor_matrix.py --variants ...:rotary=0).
 def _paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                         k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, cell_mapping: torch.Tensor,
@@ -189,12 +192,37 @@ def _fake(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_map
     return q.new_empty(1, rows, q.shape[1] // k_cache.shape[2], k_cache.shape[2])
 
 
-paged_decode_fresh = torch.library.custom_op("minibatch::paged_decode_fresh", mutates_args=("k_cache", "v_cache"),
-                                             tags=(torch.Tag.flexible_layout,))(_paged_decode_fresh)
+paged_decode_fresh = torch.library.custom_op("minibatch::paged_decode_fresh",
+                                             mutates_args=("k_cache", "v_cache"))(_paged_decode_fresh)
 paged_decode_fresh.register_fake(_fake)
 _exact_strides = torch.library.custom_op("minibatch::paged_decode_fresh_exact_strides",
                                          mutates_args=("k_cache", "v_cache"))(_paged_decode_fresh)
 _exact_strides.register_fake(_fake)
+_ROTARY_ARGS = ("cos", "sin")
+
+
+def _shared_rotary(fx_node, *args, **kwargs):
+    """paged_decode_fresh's layout rule for Inductor: cos and sin made buffers first (a buffer, once made,
+    is every reader's), then every input in its traced strides' order (Inductor's constrain_to_fx_strides)."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import constrain_to_fx_strides
+
+    names = [a.name for a in torch.ops.minibatch.paged_decode_fresh.default._schema.arguments]
+    for name in _ROTARY_ARGS:
+        i = names.index(name)
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, ir.TensorBox):
+            value.realize()
+    return constrain_to_fx_strides(fx_node, *args, **kwargs)
+
+
+@functools.cache
+def _lowering() -> None:
+    """Give Inductor paged_decode_fresh with `_shared_rotary` as its layout rule (once per process, before a
+    compile lowers the operator: `install`)."""
+    from torch._inductor.lowering import make_fallback
+
+    make_fallback(torch.ops.minibatch.paged_decode_fresh.default, layout_constraint=_shared_rotary)
 
 
 def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,
