@@ -421,6 +421,20 @@ def small_models_l2_bulk() -> dict:
     return out
 
 
+def small_models_levers() -> dict:
+    """Three levers on the 0.6B step, none kept (one H100 each run): the first weights read before waiting (run1:
+    hoist, per_sm=1 as sm1, both, the default again), 8-row products on the tensor-core tile (run3: down8, o8,
+    both8, down8h) and Inductor's combo kernels off (run4: nocombo, again)."""
+    return _by_command("gpu_small_models_hoist_tiles_combo_2026-12-06")
+
+
+def small_models_rotary() -> dict:
+    """One rotary cos and sin for every layer's decode attention (one H100 each run): the flexible layout (run1),
+    it with the kernel's strided reads (run4), the operator's layout rule, kept (run6); each default (compile)
+    against a copy per layer (rotary0) and the default again."""
+    return _by_command("gpu_small_models_rotary_2026-12-06")
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -490,6 +504,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_many_rows": small_models_many_rows, "small_models_gated_tiles": small_models_gated_tiles,
             "small_models_qkv": small_models_qkv, "small_models_target": small_models_target,
             "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk,
+            "small_models_levers": small_models_levers, "small_models_rotary": small_models_rotary,
             "small_models_target_h200": small_models_target_h200}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
@@ -568,7 +583,13 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8",
                "4_floor_matrix_qwen3-0.6b-shape_b4")],
            "small_models_target_h200": [f"figures/data/runs/gpu_small_models_target_h200_2026-12-06/{f}.json" for f in (
-               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8")]}
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_llama3-1b-shape_b1_4_8")],
+           "small_models_levers": [f"figures/data/runs/gpu_small_models_hoist_tiles_combo_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b4", "3_floor_matrix_qwen3-0.6b-shape_b8",
+               "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
+           "small_models_rotary": [f"figures/data/runs/gpu_small_models_rotary_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b4_8", "4_floor_matrix_qwen3-0.6b-shape_b4_8",
+               "6_floor_matrix_qwen3-0.6b-shape_b4_8")]}
 
 
 def derive() -> dict:

@@ -741,6 +741,15 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # already in L2 a small product is hardly faster: its few microseconds are not the trip to memory, they are
 # the cost of being a kernel of its own.
 #
+# Reading the compiler's output turned up a smaller waste. Every layer's call of the fresh operator reads
+# the same rotary cos and sin, which the model computes once a step. But Inductor hands an operator each
+# input in the strides it had when traced, and an input that is not yet a buffer gets a copy made for that
+# call alone: the compiled 0.6B step computed cos and sin 28 times, in 7 kernels. Letting Inductor lay the
+# inputs out as it liked made one buffer of each, but column by column, and the kernel read those more
+# slowly than the copies had cost. What works is a layout rule of the operator's own
+# (`fresh._shared_rotary`): make cos and sin buffers first, then ask every input for its traced order. At
+# 8 rows the step went from 1.315 to 1.303 ms <!-- from figures/data/headline.json: small_models_rotary.q06_b8_run6_rotary0_ms, small_models_rotary.q06_b8_run6_compile_ms --> on an H100; at 4 rows the change was within the noise.
+#
 # Smaller gains came from the product kernel's own settings. With four rows it took longer per product
 # than with one; a likely reason is that every piece of K ends in a sum across the program's threads,
 # and with four rows that sum has four times as many outputs. Keeping the products apart in registers
