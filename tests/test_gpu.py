@@ -194,17 +194,14 @@ def test_the_fresh_path_with_split_keys_gives_the_eager_tokens(apart, monkeypatc
     assert max(splits) > 1
 
 
-@pytest.mark.parametrize("rows,hoist", [(1, False), (4, False), (4, True)])
-def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(rows, hoist, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(rows, monkeypatch):
     """The 0.6B shape's attention output (K = 2048, in one piece: skinny.ONE_PIECE), down product (K = 3072,
     summed once after the loop at 2-4 rows: skinny.DEFER) and merged q/k/v (4096 x 1024: skinny.SHORT_K, on
     tensor cores at 2-4 rows) on skinny.py's kernel inside compiled steps, in a two-layer model of those
-    widths (float32): the eager tokens, sync and async, and the kernel took them; with `hoist`
-    (skinny.HOIST), each launched-early program's first weights read before it waits, the same."""
+    widths (float32): the eager tokens, sync and async, and the kernel took them."""
     from minibatch.model import model as model_module
     from minibatch.speed import skinny
-
-    monkeypatch.setattr(skinny, "HOIST", hoist)
 
     shape = dict(model_module.RANDOM_CONFIGS["qwen3-0.6b-shape"][1], vocab_size=512, num_hidden_layers=2)
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
@@ -220,8 +217,8 @@ def test_the_skinny_settings_of_the_small_models_products_give_the_eager_tokens(
     assert any((n, k) == (4096, 1024) and s.get("dot", False) == (rows > 1) for n, k, s in taken)
 
 
-@pytest.mark.parametrize("rows,hoist", [(1, False), (4, False), (4, True)])
-def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, hoist, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, monkeypatch):
     """speed/gated.py (ENABLED and MANY_ROWS, the defaults): silu(gate) * up inside skinny.py's gate/up product, in a two-layer model of
     the 0.6B shape's widths (float32): the eager tokens, sync and async, and the kernel took every layer's."""
     from minibatch.model import model as model_module
@@ -231,7 +228,6 @@ def test_the_gated_mlp_inside_the_skinny_kernel_gives_the_eager_tokens(rows, hoi
     monkeypatch.setitem(model_module.RANDOM_CONFIGS, "qwen3-0.6b-widths", ("Qwen3Config", shape))
     monkeypatch.setattr(gated, "ENABLED", True)
     monkeypatch.setattr(gated, "MANY_ROWS", True)  # (2-8 rows: on tensor cores, float32 tiles in 2 stages)
-    monkeypatch.setattr(skinny, "HOIST", hoist)  # (skinny.HOIST: the first weights read before waiting)
     ups = []
     real_launch = skinny.launch
     monkeypatch.setattr(skinny, "launch", lambda *a, **k: ups.append(k.get("up")) or real_launch(*a, **k))

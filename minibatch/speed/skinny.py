@@ -105,7 +105,7 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, pieces, sxm, swn, sym, up_offset, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
                        DOT: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, DEFER: tl.constexpr,
-                       GATE: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr = False):
+                       GATE: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -126,22 +126,8 @@ if triton is not None:
                 prefetch_l2(w_lines + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
                 if GATE:
                     prefetch_l2(w_lines + up_offset + tl.minimum(start + i * BLOCK_K + lines, K - 1)[None, :])
-            if HOIST:  # the first piece's weights into registers before waiting (`HOIST`); summed after it
-                kk = start + rk
-                w0 = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-                if GATE:
-                    w0_up = tl.load(w_rows + up_offset + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
-                                    other=0.0)
             tl.extra.cuda.gdc_wait()
-        first = 0
-        if PDL and HOIST:  # (the same piece first, the same sums in the same order: the same bits)
-            kk = start + rk
-            x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            acc, apart = _add_piece(x, w0, acc, apart, DOT, DEFER, IEEE)
-            if GATE:
-                acc_up, apart_up = _add_piece(x, w0_up, acc_up, apart_up, DOT, DEFER, IEEE)
-            first = 1
-        for i in tl.range(first, pieces, num_stages=STAGES):
+        for i in tl.range(0, pieces, num_stages=STAGES):
             kk = start + i * BLOCK_K + rk
             inside = kk[None, :] < K
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
@@ -202,7 +188,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, setting: dict, up:
         BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=setting["stages"], SPLIT=split > 1, DOT=dot, PDL=pdl, LINE=min(block_k, 128 // w.element_size()),
         DEFER=setting.get("defer", False) and not dot, GATE=up is not None,
-        IEEE=x.dtype == torch.float32, HOIST=pdl and HOIST, num_warps=setting["warps"],
+        IEEE=x.dtype == torch.float32, num_warps=setting["warps"],
         **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         block = 1024
@@ -265,13 +251,6 @@ ONE_PIECE = True
 #: kernel took longer a product at 4 rows than at 1. Timed faster alone at 4 rows (not at 1, so not used
 #: there) and in the 0.6B compiled step at 4 rows (BENCHMARKS.md, small models).
 DEFER = True
-
-
-#: Launched early (early.py), whether each program loads its first piece of weights into registers before it
-#: waits for the kernel before it, instead of only asking them into L2 (the next pieces are asked into L2 either
-#: way). Why it might pay: after the wait the piece is already on the SM, so only x (the predecessor's output)
-#: is still to be read. Off until timed in a step (floor_matrix.py --variants hoist:hoist=1).
-HOIST = False
 
 
 # Why a custom operator: Inductor then calls the kernel as it is (as triton_decode.paged_decode), and the

@@ -102,7 +102,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
-            "gated_rows": (gated, "MANY_ROWS"), "hoist": (skinny, "HOIST"),
+            "gated_rows": (gated, "MANY_ROWS"),
             "rotary": (fresh, "ONE_ROTARY")}
 
 
@@ -117,7 +117,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
     rotary=0/1 (with fresh's path, one cos and sin for every layer's attention call, on by default; 0: a copy
-    computed per layer: fresh.ONE_ROTARY), hoist=0/1 (skinny.py's kernels launched early load their first piece of weights before they wait: skinny.HOIST),
+    computed per layer: fresh.ONE_ROTARY),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
     triton_decode.SETTINGS),

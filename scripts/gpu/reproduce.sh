@@ -49,12 +49,8 @@
 #              against the shipped 64 keys, 2 warps, 2 stages; ~5 minutes; not in the default list
 #   down8      the 0.6B shape's compiled step at batch 8 with its down product (1024 x 3072), its attention output
 #              (1024 x 2048) or both on skinny.py's tensor-core tile instead of cuBLAS, whose down product at 8 rows
-#              is two kernels (split K, then a reduce): floor_matrix.py --variants ...:tile=8:1024:3072; and the
-#              down product's tile with its first piece of weights read before it waits (hoist=1); ~4 minutes;
-#              not in the default list
-#   hoist      the 0.6B shape's compiled step at batch 4 with skinny.py's kernels reading their first piece of weights
-#              before they wait (hoist=1: skinny.HOIST), with the decode attention on fewer splits (per_sm=1), both,
-#              and the default again (the run's noise); ~3 minutes; not in the default list
+#              is two kernels (split K, then a reduce): floor_matrix.py --variants ...:tile=8:1024:3072; ~3 minutes;
+#              not in the default list (run at commit a4a3da4 with one more variant: gpu_small_models_hoist_tiles_combo_2026-12-06)
 #   combo      the 0.6B shape's compiled step at batches 4 and 8 without Inductor's combo kernels (combo_kernels=0,
 #              compiled.COMBO) against the default and the default again, with the sources of the step's
 #              pointwise kernels that Inductor named without their ops; ~4 minutes; not in the default list
@@ -150,11 +146,7 @@ for s in $sections; do
               > "$out/$s/floor_q06.log" 2>&1; grep -A5 "^ \+[48] \+512" "$out/$s/floor_q06.log" ;;
     down8) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 8 --contexts 512 --compile \
                --kernels top --variants "down8:tile=8:1024:3072" "o8:tile=8:1024:2048" "both8:tile=8:1024:3072/8:1024:2048" \
-               "down8h:tile=8:1024:3072,hoist=1" \
                > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+8 \+512" "$out/$s/floor_q06.log" ;;
-    hoist) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4 --contexts 512 --compile \
-               --variants "hoist:hoist=1" "sm1:per_sm=1" "hoist_sm1:hoist=1,per_sm=1" "again:" \
-               > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+4 \+512" "$out/$s/floor_q06.log" ;;
     combo) cache=$(mktemp -d)  # (Inductor's generated kernels: the sources of the step's one-per-step kernels kept)
            TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
              --batches 4,8 --contexts 512 --compile --kernels top --variants "nocombo:combo_kernels=0" "again:" \
