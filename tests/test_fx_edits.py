@@ -58,3 +58,38 @@ def test_replace_and_recompile_change_what_the_module_computes():
     assert fx_edits.recompiled(gm, 1) == 1 and "doubled" in gm.code
     y = torch.randn(7, 4)
     torch.testing.assert_close(gm(y, w, b), 2 * F.linear(y, w) + F.linear(y, w, b))
+
+
+def _rotary_angles(inv_freq, positions):
+    """transformers' rotary angles before 5.24: [1, D/2, 1] @ [1, 1, R] in float32, then [1, R, D/2]."""
+    return (inv_freq[None, :, None] @ positions[:, None, :]).transpose(1, 2)
+
+
+def _dynamo_graph(fn, *inputs):
+    """The graph torch.compile captures for fn(*inputs), with outer_products run on it (its count returned)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((fx_edits.outer_products(gm, example_inputs), gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return seen[0][0], seen[0][1], out
+
+
+def test_a_product_over_one_term_becomes_a_multiply_with_the_same_bits():
+    """outer_products: the rotary angles' [.., M, 1] @ [.., 1, N] (operator @, torch.matmul, torch.bmm) becomes
+    a broadcast multiply, bit for bit; products over more than one term, and integer ones, stay."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    positions = torch.tensor([[5.0, 511.0, 77.0, 4095.0]])
+    for fn in (_rotary_angles, lambda f, p: torch.matmul(f[None, :, None], p[:, None, :]),
+               lambda f, p: torch.bmm(f[None, :, None], p[:, None, :])):
+        changed, gm, out = _dynamo_graph(fn, inv_freq, positions)
+        assert changed == 1 and "matmul" not in gm.code and "bmm" not in gm.code
+        assert torch.equal(out, fn(inv_freq, positions))
+    a, b = torch.randn(3, 4, 2), torch.randn(3, 2, 5)
+    changed, gm, out = _dynamo_graph(lambda x, y: x @ y, a, b)
+    assert changed == 0 and torch.equal(out, a @ b)
+    ints = torch.arange(4)[None, :, None], torch.arange(3)[None, None, :]
+    assert _dynamo_graph(lambda x, y: x @ y, *ints)[0] == 0

@@ -4,7 +4,7 @@ A torch.compile backend receives the step's FX graph before Inductor compiles it
 was called with. siblings.py's backend runs passes over it, each a few lines of "find a node, put a
 call in its place": `siblings.merge` (sibling projections as one product), `skinny.route` (few-row
 products to skinny.py's kernel), `gated.fuse` (the activation inside that kernel) and
-`wide_argmax.split`. What they all need is here, so that each pass reads as what it looks for:
+`wide_argmax.split`, and one kept here, `outer_products` (a product over one term as a multiply). What they all need is here, so that each pass reads as what it looks for:
 
     real = placeholders(gm, example_inputs)          the graph's inputs -> the tensors behind them
     found = bias_free_product(node, LINEAR_TARGETS)  (x, w, x's example value) of an x @ w.T call
@@ -18,6 +18,8 @@ imports this one.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -73,6 +75,32 @@ def replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple) -> t
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return new
+
+
+#: `outer_products` runs (siblings.py's backend reads this at each compile); off until timed in a step
+#: (floor_matrix.py --variants ...:outer=1)
+OUTER = False
+_MATMULS = (operator.matmul, torch.matmul, torch.bmm)
+
+
+def outer_products(gm: torch.fx.GraphModule, example_inputs=None) -> int:
+    """Each matrix product whose summed dimension has size 1 (a [.., M, 1] @ [.., 1, N] outer product) becomes
+    a broadcast multiply; returns how many. Why: the rotary embedding of transformers before 5.24 computes its
+    angles as inv_freq [1, D/2, 1] @ positions [1, 1, R] in float32, which Inductor hands to cuBLAS: a kernel
+    of a few us that never launches early (early.py). A product with one term is that term, rounded once:
+    the same bits as the multiply (with float32 matmuls in full precision, PyTorch's default)."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs:
+            continue
+        a, b = (x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None for x in node.args)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2):
+            continue
+        if a.shape[-1] != 1 or b.shape[-2] != 1 or not a.is_floating_point() or a.dtype != b.dtype:
+            continue
+        replace(gm, node, operator.mul, tuple(node.args))
+        changed += 1
+    return recompiled(gm, changed)
 
 
 def recompiled(gm: torch.fx.GraphModule, changed: int) -> int:

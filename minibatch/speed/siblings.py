@@ -35,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from . import wide_argmax
+from . import fx_edits, wide_argmax
 from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
 from .fx_edits import placeholders, recompiled
 
@@ -175,7 +175,8 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, with its ENABLED,
-    gated.fuse), then wide_argmax.split (with its ENABLED), then Inductor with the
+    gated.fuse), then wide_argmax.split (with its ENABLED), then fx_edits.outer_products (with fx_edits.OUTER),
+    then Inductor with the
     options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed`
     and `argmaxes`: per compile, how many linear calls went into a sibling's, how many to the skinny
     kernel, and how many argmax calls over a vocabulary became two steps (wide_argmax.py)."""
@@ -194,6 +195,8 @@ class _Backend:
             if gated.ENABLED:  # (on by default: gated.py)
                 gated.fuse(gm, example_inputs)
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
+        if fx_edits.OUTER:
+            fx_edits.outer_products(gm, example_inputs)
         return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 

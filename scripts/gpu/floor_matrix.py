@@ -69,7 +69,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, gated, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, fx_edits, gated, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -102,7 +102,7 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "carry": (compiled_module, "CARRY_OVER"), "one_piece": (skinny, "ONE_PIECE"),
             "lean": (triton_decode, "LEAN"), "fresh": (fresh, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
-            "gated_rows": (gated, "MANY_ROWS"),
+            "gated_rows": (gated, "MANY_ROWS"), "outer": (fx_edits, "OUTER"),
             "rotary": (fresh, "ONE_ROTARY")}
 
 
@@ -116,6 +116,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
+    outer=0/1 (a matrix product over one term as a multiply: fx_edits.OUTER, off by default),
     rotary=0/1 (with fresh's path, one cos and sin for every layer's attention call, on by default; 0: a copy
     computed per layer: fresh.ONE_ROTARY),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),

@@ -54,6 +54,9 @@
 #   combo      the 0.6B shape's compiled step at batches 4 and 8 without Inductor's combo kernels (combo_kernels=0,
 #              compiled.COMBO) against the default and the default again, with the sources of the step's
 #              pointwise kernels that Inductor named without their ops; ~4 minutes; not in the default list
+#   outer      the 0.6B shape's compiled step at batches 1, 4 and 8 with the rotary angles' one-term matrix product
+#              (transformers before 5.24: a cuBLAS kernel a step, never launched early) as a multiply (outer=1:
+#              fx_edits.OUTER) against the default, and the default again; ~4 minutes; not in the default list
 #   rotary     the 0.6B shape's compiled step at batches 4 and 8 with one rotary cos and sin for every layer (the
 #              default: model/fresh.py's operator with a flexible layout) against a copy computed per layer
 #              (rotary=0: fresh.ONE_ROTARY), and the default again; ~3 minutes; not in the default list
@@ -147,6 +150,9 @@ for s in $sections; do
     down8) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 8 --contexts 512 --compile \
                --kernels top --variants "down8:tile=8:1024:3072" "o8:tile=8:1024:2048" "both8:tile=8:1024:3072/8:1024:2048" \
                > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+8 \+512" "$out/$s/floor_q06.log" ;;
+    outer) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
+             --kernels top --variants "outer:outer=1" "again:" > "$out/$s/floor_q06.log" 2>&1
+           grep -A4 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     combo) cache=$(mktemp -d)  # (Inductor's generated kernels: the sources of the step's one-per-step kernels kept)
            TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
              --batches 4,8 --contexts 512 --compile --kernels top --variants "nocombo:combo_kernels=0" "again:" \
