@@ -53,7 +53,7 @@
 #              not in the default list (run at commit a4a3da4 with one more variant: gpu_small_models_hoist_tiles_combo_2026-12-06)
 #   combo      the 0.6B shape's compiled step at batches 4 and 8 without Inductor's combo kernels (combo_kernels=0,
 #              compiled.COMBO) against the default and the default again, with the sources of the step's
-#              pointwise kernels that Inductor named without their ops; ~4 minutes; not in the default list
+#              kernels that Inductor named without their ops; ~4 minutes; not in the default list
 #   outer      the 0.6B shape's compiled step at batches 1, 4 and 8 with the rotary angles' one-term matrix product
 #              (transformers before 5.24: a cuBLAS kernel a step, never launched early) as a multiply (outer=1:
 #              fx_edits.OUTER) against the default, and the default again; ~4 minutes; not in the default list
@@ -157,7 +157,7 @@ for s in $sections; do
            TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
              --batches 4,8 --contexts 512 --compile --kernels top --variants "nocombo:combo_kernels=0" "again:" \
              > "$out/$s/floor_q06.log" 2>&1; grep -A4 "^ \+[48] \+512" "$out/$s/floor_q06.log"
-           mkdir -p "$out/$s/kernels"; grep -rlE "def triton_poi_fused_[0-9]+\(|def triton_poi_fused_.*fresh" "$cache" \
+           mkdir -p "$out/$s/kernels"; grep -rlE "def triton_(poi|red|per)_fused_[0-9]+\(|def triton_poi_fused_.*fresh" "$cache" \
              | while read -r f; do cp "$f" "$out/$s/kernels/"; done; rm -rf "$cache"; ls "$out/$s/kernels" | head -40 ;;
     rotary) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 4,8 --contexts 512 --compile \
               --kernels top --variants "rotary0:rotary=0" "again:" > "$out/$s/floor_q06.log" 2>&1
