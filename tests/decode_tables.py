@@ -1,6 +1,6 @@
 """A decode batch in the decode layout over rows of cached tokens, and its cache filled with random keys
 and values: what the decode kernels' tests (test_paged_kernel.py, test_fresh.py) run on, with a spy on
-their launches; and one decode step compiled through the graph passes against the eager step (the passes'
+their launches; and one decode step, or any function, compiled through the graph passes (the passes'
 tests)."""
 
 from __future__ import annotations
@@ -49,6 +49,20 @@ def compiled_and_eager(model, graph_pass, ctx_lens=(5, 11, 3)):
         want = model._forward(batch, cache)
         got = torch.compile(model._forward, backend=backend, fullgraph=True)(batch, twin)
     return got, want, twin, cache
+
+
+def after_pass(graph_pass, fn, *inputs):
+    """fn(*inputs) compiled with a backend that runs `graph_pass(gm, example_inputs)` and then the graph as it
+    is (no Inductor): (the pass's count, the graph after it, the output)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((graph_pass(gm, example_inputs), gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*inputs)
+    return seen[0][0], seen[0][1], out
 
 
 def routed_step(name: str, *passes):

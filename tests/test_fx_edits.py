@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from decode_tables import after_pass
 from minibatch.speed import fx_edits
 
 
@@ -65,19 +66,6 @@ def _rotary_angles(inv_freq, positions):
     return (inv_freq[None, :, None] @ positions[:, None, :]).transpose(1, 2)
 
 
-def _dynamo_graph(fn, *inputs):
-    """The graph torch.compile captures for fn(*inputs), with outer_products run on it (its count returned)."""
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append((fx_edits.outer_products(gm, example_inputs), gm))
-        return gm.forward
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return seen[0][0], seen[0][1], out
-
-
 def test_a_product_over_one_term_becomes_a_multiply_with_the_same_bits():
     """outer_products: the rotary angles' [.., M, 1] @ [.., 1, N] (operator @, torch.matmul, torch.bmm) becomes
     a broadcast multiply, bit for bit; products over more than one term, and integer ones, stay."""
@@ -85,11 +73,11 @@ def test_a_product_over_one_term_becomes_a_multiply_with_the_same_bits():
     positions = torch.tensor([[5.0, 511.0, 77.0, 4095.0]])
     for fn in (_rotary_angles, lambda f, p: torch.matmul(f[None, :, None], p[:, None, :]),
                lambda f, p: torch.bmm(f[None, :, None], p[:, None, :])):
-        changed, gm, out = _dynamo_graph(fn, inv_freq, positions)
+        changed, gm, out = after_pass(fx_edits.outer_products, fn, inv_freq, positions)
         assert changed == 1 and "matmul" not in gm.code and "bmm" not in gm.code
         assert torch.equal(out, fn(inv_freq, positions))
     a, b = torch.randn(3, 4, 2), torch.randn(3, 2, 5)
-    changed, gm, out = _dynamo_graph(lambda x, y: x @ y, a, b)
+    changed, gm, out = after_pass(fx_edits.outer_products, lambda x, y: x @ y, a, b)
     assert changed == 0 and torch.equal(out, a @ b)
     ints = torch.arange(4)[None, :, None], torch.arange(3)[None, None, :]
-    assert _dynamo_graph(lambda x, y: x @ y, *ints)[0] == 0
+    assert after_pass(fx_edits.outer_products, lambda x, y: x @ y, *ints)[0] == 0

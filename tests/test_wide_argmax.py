@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minibatch
+from decode_tables import after_pass
 from minibatch.speed import siblings, wide_argmax
 
 VOCAB = 151936  # Qwen3's: 128 pieces of 1187
@@ -45,15 +46,7 @@ def test_two_steps_give_argmax_bit_for_bit():
 
 def split_by(fn, *inputs):
     """Compile `fn` with a backend that runs wide_argmax.split, then the graph as it is: (replaced, graph, out)."""
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append((wide_argmax.split(gm, example_inputs), gm))
-        return gm.forward
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend)(*inputs)
-    return seen[0][0], seen[0][1], out
+    return after_pass(wide_argmax.split, fn, *inputs)
 
 
 @pytest.mark.parametrize("form", ["method", "function", "dim_keyword", "float_first"])
