@@ -126,8 +126,8 @@ def install(hf: torch.nn.Module) -> int:
     return changed
 
 
-#: Whether a compiled step's layers share one cos and one sin (paged_decode_fresh's flexible layout); False: each
-#: layer's call gets copies of its own, as it did without that layout (for timing the difference)
+#: Whether a compiled step's layers share one cos and one sin (paged_decode_fresh's layout rule, `_shared_rotary`);
+#: False: each layer's call gets copies of its own, as it did without that rule (for timing the difference)
 ONE_ROTARY = True
 
 
@@ -179,8 +179,8 @@ def _paged_decode_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_wei
     if not kernel:
         return reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices,
                          kv_seq, kv_pos, positions, rows, window, scaling)
-    # (the kernel steps along rows; cos and sin as Inductor laid them out, whatever their strides: a flexible
-    # layout gave them transposed, and a copy each would be two more kernels a layer)
+    # (the kernel steps along rows; it reads cos and sin through both strides, so that whatever layout a compile
+    # gives them, every layer reads them in place rather than copying them)
     k, v, q = (flat_rows(t, t.shape[0]) for t in (k, v, q))
     fresh = dict(k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=cos, sin=sin, cell_mapping=cell_mapping)
     return triton_decode.launch(q, k_cache, v_cache, kv_indices, kv_seq, kv_pos, positions, rows, window, scaling, 0,
