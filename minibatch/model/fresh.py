@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -217,12 +218,23 @@ def _shared_rotary(fx_node, *args, **kwargs):
 
 
 @functools.cache
-def _lowering() -> None:
+def _lowering() -> bool:
     """Give Inductor paged_decode_fresh with `_shared_rotary` as its layout rule (once per process, before a
-    compile lowers the operator: `install`)."""
-    from torch._inductor.lowering import make_fallback
+    compile lowers the operator: `install`). Inductor's lowering module is not a public API: where this
+    torch's lacks what the rule uses, a warning says so and the operator keeps Inductor's default (the
+    same results, a copy of cos and sin per layer). -> whether the rule is in place."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import constrain_to_fx_strides, make_fallback
 
-    make_fallback(torch.ops.minibatch.paged_decode_fresh.default, layout_constraint=_shared_rotary)
+        if not (hasattr(ir, "TensorBox") and callable(constrain_to_fx_strides)):
+            raise AttributeError("torch._inductor.ir.TensorBox")
+        make_fallback(torch.ops.minibatch.paged_decode_fresh.default, layout_constraint=_shared_rotary)
+    except (ImportError, AttributeError, TypeError) as e:
+        warnings.warn(f"fresh.py: this torch's Inductor did not take paged_decode_fresh's layout rule ({e!r}); "
+                      "compiled steps compute the rotary cos and sin once per layer", stacklevel=3)
+        return False
+    return True
 
 
 def reference(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, cell_mapping, kv_indices, kv_seq,
