@@ -224,12 +224,10 @@ def _lowering() -> bool:
     torch's lacks what the rule uses, a warning says so and the operator keeps Inductor's default (the
     same results, a copy of cos and sin per layer). -> whether the rule is in place."""
     try:
-        from torch._inductor import ir
-        from torch._inductor.lowering import constrain_to_fx_strides, make_fallback
+        from torch._inductor import ir, lowering
 
-        if not (hasattr(ir, "TensorBox") and callable(constrain_to_fx_strides)):
-            raise AttributeError("torch._inductor.ir.TensorBox")
-        make_fallback(torch.ops.minibatch.paged_decode_fresh.default, layout_constraint=_shared_rotary)
+        ir.TensorBox, lowering.constrain_to_fx_strides  # (what `_shared_rotary` uses: AttributeError where absent)
+        lowering.make_fallback(torch.ops.minibatch.paged_decode_fresh.default, layout_constraint=_shared_rotary)
     except (ImportError, AttributeError, TypeError) as e:
         warnings.warn(f"fresh.py: this torch's Inductor did not take paged_decode_fresh's layout rule ({e!r}); "
                       "compiled steps compute the rotary cos and sin once per layer", stacklevel=3)

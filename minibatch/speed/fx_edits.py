@@ -3,8 +3,9 @@
 A torch.compile backend receives the step's FX graph before Inductor compiles it, with the tensors it
 was called with. siblings.py's backend runs passes over it, each a few lines of "find a node, put a
 call in its place": `siblings.merge` (sibling projections as one product), `skinny.route` (few-row
-products to skinny.py's kernel), `gated.fuse` (the activation inside that kernel) and
-`wide_argmax.split`, and one kept here, `outer_products` (a product over one term as a multiply). What they all need is here, so that each pass reads as what it looks for:
+products to skinny.py's kernel), `gated.fuse` (the activation inside that kernel), `wide_argmax.split`
+and one kept here, `outer_products` (a product over one term as a multiply). What they all need is here,
+so that each pass reads as what it looks for:
 
     real = placeholders(gm, example_inputs)          the graph's inputs -> the tensors behind them
     found = bias_free_product(node, LINEAR_TARGETS)  (x, w, x's example value) of an x @ w.T call

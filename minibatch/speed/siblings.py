@@ -175,11 +175,11 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, with its ENABLED,
-    gated.fuse), then wide_argmax.split (with its ENABLED), then fx_edits.outer_products (with fx_edits.OUTER),
-    then Inductor with the
-    options of torch.compile's `mode` and the config `patches` ((name, value) pairs). `merged`, `routed`
-    and `argmaxes`: per compile, how many linear calls went into a sibling's, how many to the skinny
-    kernel, and how many argmax calls over a vocabulary became two steps (wide_argmax.py)."""
+    gated.fuse), then wide_argmax.split (with its ENABLED), then fx_edits.outer_products (with
+    fx_edits.OUTER), then Inductor with the options of torch.compile's `mode` and the config `patches`
+    ((name, value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into
+    a sibling's, how many to the skinny kernel, and how many argmax calls over a vocabulary became two
+    steps (wide_argmax.py)."""
 
     def __init__(self, mode: str | None, merging: bool = True, skinny: bool = False, patches: tuple = ()) -> None:
         self.mode, self.merging, self.skinny, self.patches = mode, merging, skinny, patches
