@@ -81,3 +81,17 @@ def test_a_product_over_one_term_becomes_a_multiply_with_the_same_bits():
     assert changed == 0 and torch.equal(out, a @ b)
     ints = torch.arange(4)[None, :, None], torch.arange(3)[None, None, :]
     assert after_pass(fx_edits.outer_products, lambda x, y: x @ y, *ints)[0] == 0
+
+
+def test_float32_products_over_one_term_stay_where_tf32_is_allowed():
+    """With TF32 allowed a float32 product rounds its inputs to TF32 first, so a multiply would not give its
+    bits: outer_products leaves float32 products alone then (bf16 ones still become multiplies)."""
+    f, p = torch.rand(64), torch.tensor([[5.0, 511.0]])
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert after_pass(fx_edits.outer_products, _rotary_angles, f, p)[0] == 0
+        assert after_pass(fx_edits.outer_products, _rotary_angles, f.bfloat16(), p.bfloat16())[0] == 1
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert after_pass(fx_edits.outer_products, _rotary_angles, f, p)[0] == 1

@@ -30,7 +30,7 @@ small kernel combines them:
     M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
-than one BLOCK_N chunk of keys. On Hopper and later, inside compiled steps, both kernels are launched
+than one BLOCK_N chunk of keys (nor, from 2 rows on, than 128 keys: MIN_SPLIT_KEYS). On Hopper and later, inside compiled steps, both kernels are launched
 early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
 kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
 """
@@ -224,15 +224,24 @@ def warps_stages(rows: int) -> tuple[int, int]:
 #: at 0.125 on 132 SMs, 4 or more rows of 8 key/value heads are not split at all, and no combine step runs).
 PROGRAMS_PER_SM = 2
 
+#: The fewest keys a split walks in a batch of at least MIN_SPLIT_ROWS rows (else one `block_n` chunk). In the
+#: 0.6B shape's compiled step at 4 rows x 512 keys, 4 splits of 128 keys beat the 8 of 64 that 2 programs per SM
+#: ask for, in each of three runs; at 8 rows 4 splits of 128 were already the fastest, 2 or 3 longer ones slower
+#: (BENCHMARKS.md, small models; floor_matrix.py --variants ...:min_split=64 times the old rule).
+MIN_SPLIT_KEYS = 128
+MIN_SPLIT_ROWS = 2
+
 
 def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: float | None = None,
                block_n: int = BLOCK_N) -> int:
     """How many programs share one (row, kv head)'s keys: enough for `per_sm` programs per SM (None:
-    PROGRAMS_PER_SM), each over at least one `block_n` chunk of keys."""
+    PROGRAMS_PER_SM), each over at least one `block_n` chunk of keys, and at least MIN_SPLIT_KEYS keys where
+    there are MIN_SPLIT_ROWS rows or more."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     want = -(-int(per_sm * sms) // (rows * kv_heads))
-    return max(1, min(want, -(-width // block_n), 64))
+    shortest = max(block_n, MIN_SPLIT_KEYS) if rows >= MIN_SPLIT_ROWS else block_n
+    return max(1, min(want, -(-width // shortest), 64))
 
 
 def split_keys(width: int, splits: int, block_n: int = BLOCK_N) -> tuple[int, int]:

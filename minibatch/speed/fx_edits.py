@@ -78,9 +78,10 @@ def replace(gm: torch.fx.GraphModule, node: torch.fx.Node, op, args: tuple) -> t
     return new
 
 
-#: `outer_products` runs (siblings.py's backend reads this at each compile); off until timed in a step
-#: (floor_matrix.py --variants ...:outer=1)
-OUTER = False
+#: `outer_products` runs (siblings.py's backend reads this at each compile). On: in the 0.6B shape's compiled
+#: step it removes the cuBLAS kernel of the rotary angles (BENCHMARKS.md, small models); False keeps the product
+#: (floor_matrix.py --variants ...:outer=0)
+OUTER = True
 _MATMULS = (operator.matmul, torch.matmul, torch.bmm)
 
 
@@ -89,7 +90,9 @@ def outer_products(gm: torch.fx.GraphModule, example_inputs=None) -> int:
     a broadcast multiply; returns how many. Why: the rotary embedding of transformers before 5.24 computes its
     angles as inv_freq [1, D/2, 1] @ positions [1, 1, R] in float32, which Inductor hands to cuBLAS: a kernel
     of a few us that never launches early (early.py). A product with one term is that term, rounded once:
-    the same bits as the multiply (with float32 matmuls in full precision, PyTorch's default)."""
+    the same bits as the multiply, with float32 matmuls in full precision (PyTorch's default): where TF32 is
+    allowed, a float32 product rounds its inputs first, so float32 products are left as they are."""
+    tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs:
@@ -98,6 +101,8 @@ def outer_products(gm: torch.fx.GraphModule, example_inputs=None) -> int:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2):
             continue
         if a.shape[-1] != 1 or b.shape[-2] != 1 or not a.is_floating_point() or a.dtype != b.dtype:
+            continue
+        if a.dtype == torch.float32 and tf32:
             continue
         replace(gm, node, operator.mul, tuple(node.args))
         changed += 1

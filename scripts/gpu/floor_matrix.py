@@ -116,10 +116,12 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     kernel: compiled.CARRY_OVER), fresh=0/1 (norms, rotary embedding and cache write in the decode kernel:
     model/fresh.py's ENABLED; 0 also IN_SMALL_COMPILES, its rule for small models), apart=0/1 (with fresh, the new key folded in by a program of its own, on by
     default: triton_decode.NEW_KEY_APART), gated=0/1 (silu(gate) * up inside skinny.py's gate/up product: gated.ENABLED, on by default; gated_rows=0: at one row only, gated.MANY_ROWS),
-    outer=0/1 (a matrix product over one term as a multiply: fx_edits.OUTER, off by default),
+    outer=0/1 (a matrix product over one term as a multiply: fx_edits.OUTER, on by default),
     rotary=0/1 (with fresh's path, one cos and sin for every layer's attention call, on by default; 0: a copy
     computed per layer: fresh.ONE_ROTARY),
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
+    min_split=N (the fewest keys a split of it walks: triton_decode.MIN_SPLIT_KEYS; 64 is one chunk, the old rule),
+    min_split_rows=N (from how many rows that holds: triton_decode.MIN_SPLIT_ROWS),
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
     triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
@@ -134,6 +136,9 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
+    for name, attribute in (("min_split", "MIN_SPLIT_KEYS"), ("min_split_rows", "MIN_SPLIT_ROWS")):
+        if name in inductor:
+            modules[(triton_decode, attribute)] = int(inductor.pop(name))
     if "attn" in inductor:
         modules[(triton_decode, "SETTINGS")] = tuple(int(v) for v in str(inductor.pop("attn")).split("x"))
     if inductor.pop("skinny_timed", False):
@@ -250,6 +255,7 @@ def main() -> None:
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM; "
+                         "min_split=64 triton_decode.MIN_SPLIT_KEYS (min_split_rows=1 MIN_SPLIT_ROWS); "
                          "attn=128x4x2 launches the decode attention with 128 keys a loop step, 4 warps, 2 stages "
                          "(triton_decode.SETTINGS); tile=8:1024:3072 runs the 8-row products of 1024 x 3072 on "
                          "skinny.py's tensor-core tile (skinny.TILE, as skinny.TIMED)")

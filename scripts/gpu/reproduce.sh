@@ -55,10 +55,15 @@
 #              compiled.COMBO) against the default and the default again, with the sources of the step's
 #              kernels that Inductor named without their ops; ~4 minutes; not in the default list
 #   outer      the 0.6B shape's compiled step at batches 1, 4 and 8 with the rotary angles' one-term matrix product
-#              (transformers before 5.24: a cuBLAS kernel a step, never launched early) as a multiply (outer=1:
-#              fx_edits.OUTER) against the default, and the default again; ~4 minutes; not in the default list
+#              (transformers before 5.24: a cuBLAS kernel a step, never launched early) as a multiply (the default:
+#              fx_edits.OUTER) against the product kept (outer=0), and the default again; ~4 minutes; not in the
+#              default list
+#   splits     the 0.6B shape's compiled step at batches 1, 4 and 8 with the decode attention's splits no shorter
+#              than 128 keys from 2 rows on (the default: triton_decode.MIN_SPLIT_KEYS) against the old rule of one
+#              64-key chunk (min_split=64) and the rule at 1 row too (min_split_rows=1), and the default again;
+#              ~4 minutes; not in the default list
 #   rotary     the 0.6B shape's compiled step at batches 4 and 8 with one rotary cos and sin for every layer (the
-#              default: model/fresh.py's operator with a flexible layout) against a copy computed per layer
+#              default: model/fresh.py's operator with a layout rule of its own) against a copy computed per layer
 #              (rotary=0: fresh.ONE_ROTARY), and the default again; ~3 minutes; not in the default list
 #   triton     the 8B workload with --decode-attention triton, and the full floor
 #   profile    our device-busy fraction against torch.profiler's kernel timeline (profile_async.py)
@@ -151,8 +156,11 @@ for s in $sections; do
                --kernels top --variants "down8:tile=8:1024:3072" "o8:tile=8:1024:2048" "both8:tile=8:1024:3072/8:1024:2048" \
                > "$out/$s/floor_q06.log" 2>&1; grep -A6 "^ \+8 \+512" "$out/$s/floor_q06.log" ;;
     outer) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
-             --kernels top --variants "outer:outer=1" "again:" > "$out/$s/floor_q06.log" 2>&1
+             --kernels top --variants "product:outer=0" "again:" > "$out/$s/floor_q06.log" 2>&1
            grep -A4 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
+    splits) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
+              --kernels top --variants "split64:min_split=64" "split1:min_split_rows=1" "again:" > "$out/$s/floor_q06.log" 2>&1
+            grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     combo) cache=$(mktemp -d)  # (Inductor's generated kernels: the sources of the step's one-per-step kernels kept)
            TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
              --batches 4,8 --contexts 512 --compile --kernels top --variants "nocombo:combo_kernels=0" "again:" \
