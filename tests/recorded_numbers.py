@@ -435,6 +435,13 @@ def small_models_rotary() -> dict:
     return _by_command("gpu_small_models_rotary_2026-12-06")
 
 
+def small_models_outer_splits() -> dict:
+    """The rotary angles' one-term product as a multiply (run1: outer, with per_sm=1 as sm1 and the default again)
+    and splits of at least 128 keys from 2 rows on, the default of run2 (split64: the old rule; split1: the rule
+    at 1 row too; the default again); one H100 each run."""
+    return _by_command("gpu_small_models_outer_splits_2026-12-06")
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -505,6 +512,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_qkv": small_models_qkv, "small_models_target": small_models_target,
             "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk,
             "small_models_levers": small_models_levers, "small_models_rotary": small_models_rotary,
+            "small_models_outer_splits": small_models_outer_splits,
             "small_models_target_h200": small_models_target_h200}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
@@ -589,7 +597,9 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
                "4_floor_matrix_qwen3-0.6b-shape_b4_8")],
            "small_models_rotary": [f"figures/data/runs/gpu_small_models_rotary_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b4_8", "4_floor_matrix_qwen3-0.6b-shape_b4_8",
-               "6_floor_matrix_qwen3-0.6b-shape_b4_8")]}
+               "6_floor_matrix_qwen3-0.6b-shape_b4_8")],
+           "small_models_outer_splits": [f"figures/data/runs/gpu_small_models_outer_splits_2026-12-06/{f}.json" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 
 
 def derive() -> dict:
