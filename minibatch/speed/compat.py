@@ -6,6 +6,7 @@ Why each hook is a function of its own here, and how tests/test_compat.py checks
     rebind_data        point a parameter at other storage (Tensor.data = ...)       speed/siblings.py
     LINEAR(_TARGETS)   the function an FX graph's linear nodes call                speed/siblings.py
     inductor_compile   Inductor, as torch.compile's backend would run it            speed/siblings.py
+    persistent_rows    Inductor's rule for persistent reductions, widened           speed/siblings.py
     raise_recompile_limit / mark_dynamic   torch._dynamo's limit and shape hints    speed/compiled.py
 
 It imports only torch.
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tensor_version", "rebind_data", "LINEAR", "LINEAR_TARGETS", "inductor_compile", "raise_recompile_limit",
-           "mark_dynamic"]
+__all__ = ["tensor_version", "rebind_data", "LINEAR", "LINEAR_TARGETS", "inductor_compile", "persistent_rows",
+           "raise_recompile_limit", "mark_dynamic"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -73,6 +74,46 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs, mode: str | None 
 
     options = {**(list_mode_options(mode, dynamic=False) if mode else {}), **dict(patches)}
     return compile_fx(gm, example_inputs, config_patches=options or None)
+
+
+def persistent_rows(rows: int):
+    """A context in which Inductor also makes a reduction of at most `rows` rows (statically known) over at most
+    1024 elements one persistent kernel, whatever its reduction hint; `rows` 0: Inductor's own rule.
+
+    Why: Inductor keeps a reduction in registers (a persistent kernel, one pass) up to 1024 elements only where
+    it knows the reduced dimension is contiguous in memory (`ReductionHint.INNER`); else up to 64, and past
+    that it loops over blocks whose sizes it picks by timing configs while compiling. The compiled step's
+    first RMSNorm reads the token embedding through a gather, so it has no such hint: a looped kernel of a
+    few rows of 1024 that took 2 us in some compiles and 8-10 in others. The rule is
+    `InductorChoices.should_use_persistent_reduction`; Inductor documents subclassing InductorChoices and
+    installing it with `V.set_choices_handler` (a context manager, per thread) as its way to change such
+    heuristics. On 2.11 and 2.13 the method is a staticmethod taking (features, cooperative_reduction),
+    features carrying the kernel's `numel` (rows) and `reduction_numel` as sympy expressions. Inductor's cache
+    of compiled graphs is off inside: its key does not hold the handler.
+    """
+    import contextlib
+
+    if not rows:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    class FewRows(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            if cooperative_reduction or not config.triton.persistent_reductions:
+                return False
+            sizes = V.graph.sizevars
+            return sizes.statically_known_leq(features.numel, rows) and \
+                sizes.statically_known_leq(features.reduction_numel, 1024)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(V.set_choices_handler(FewRows()))
+    stack.enter_context(config.patch(fx_graph_cache=False))  # (its key leaves the handler out: no cached compile
+    return stack                                              # made under the usual rule may stand in)
 
 
 def raise_recompile_limit(at_least: int = 64) -> None:

@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 
 from . import fx_edits, wide_argmax
-from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, rebind_data
+from .compat import LINEAR, LINEAR_TARGETS, inductor_compile, persistent_rows, rebind_data
 from .fx_edits import placeholders, recompiled
 
 #: names of sibling Linear layers that read the same input, as transformers' Llama, Mistral, Qwen2/3
@@ -173,10 +173,16 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
     return recompiled(gm, merged)
 
 
+#: Reductions of at most this many rows (over at most 1024 elements) compiled as persistent kernels whatever
+#: Inductor's hint for them (compat.persistent_rows: the first RMSNorm, fused with the embedding's gather);
+#: 0: Inductor's own rule. Off until timed in a step (floor_matrix.py --variants ...:persistent=8).
+PERSISTENT_ROWS = 0
+
+
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, with its ENABLED,
     gated.fuse), then wide_argmax.split (with its ENABLED), then fx_edits.outer_products (with
-    fx_edits.OUTER), then Inductor with the options of torch.compile's `mode` and the config `patches`
+    fx_edits.OUTER), then Inductor (with PERSISTENT_ROWS) with the options of torch.compile's `mode` and the config `patches`
     ((name, value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into
     a sibling's, how many to the skinny kernel, and how many argmax calls over a vocabulary became two
     steps (wide_argmax.py)."""
@@ -197,7 +203,8 @@ class _Backend:
         self.argmaxes.append(wide_argmax.split(gm, example_inputs) if wide_argmax.ENABLED else 0)
         if fx_edits.OUTER:
             fx_edits.outer_products(gm, example_inputs)
-        return inductor_compile(gm, example_inputs, self.mode, self.patches)
+        with persistent_rows(PERSISTENT_ROWS):
+            return inductor_compile(gm, example_inputs, self.mode, self.patches)
 
 
 def backend(mode: str | None = None, merging: bool = True, skinny: bool = False,

@@ -69,7 +69,7 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, fx_edits, gated, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import compiled as compiled_module, early, fx_edits, gated, siblings, skinny, wide_argmax  # noqa: E402
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -122,6 +122,7 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
     min_split=N (the fewest keys a split of it walks: triton_decode.MIN_SPLIT_KEYS; 64 is one chunk, the old rule),
     min_split_rows=N (from how many rows that holds: triton_decode.MIN_SPLIT_ROWS),
+    persistent=N (reductions of at most N rows as persistent kernels whatever their hint: siblings.PERSISTENT_ROWS),
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
     triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),
@@ -136,6 +137,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
+    if "persistent" in inductor:
+        modules[(siblings, "PERSISTENT_ROWS")] = int(inductor.pop("persistent"))
     for name, attribute in (("min_split", "MIN_SPLIT_KEYS"), ("min_split_rows", "MIN_SPLIT_ROWS")):
         if name in inductor:
             modules[(triton_decode, attribute)] = int(inductor.pop(name))
@@ -255,7 +258,8 @@ def main() -> None:
                          "decode attention with Triton's default warps and stages (triton_decode.LEAN); one_piece=0 clears "
                          "skinny.ONE_PIECE and defer=0 skinny.DEFER (both on by default); carry=1 sets compiled.CARRY_OVER; fresh=1 sets model/fresh.py's "
                          "ENABLED; apart=0 clears triton_decode.NEW_KEY_APART (on by default); per_sm=0.25 sets triton_decode.PROGRAMS_PER_SM; "
-                         "min_split=64 triton_decode.MIN_SPLIT_KEYS (min_split_rows=1 MIN_SPLIT_ROWS); "
+                         "min_split=64 triton_decode.MIN_SPLIT_KEYS (min_split_rows=1 MIN_SPLIT_ROWS); persistent=8 "
+                         "siblings.PERSISTENT_ROWS; "
                          "attn=128x4x2 launches the decode attention with 128 keys a loop step, 4 warps, 2 stages "
                          "(triton_decode.SETTINGS); tile=8:1024:3072 runs the 8-row products of 1024 x 3072 on "
                          "skinny.py's tensor-core tile (skinny.TILE, as skinny.TIMED)")
