@@ -174,9 +174,10 @@ def merge(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 
 #: Reductions of at most this many rows (over at most 1024 elements) compiled as persistent kernels whatever
-#: Inductor's hint for them (compat.persistent_rows: the first RMSNorm, fused with the embedding's gather);
-#: 0: Inductor's own rule. Off until timed in a step (floor_matrix.py --variants ...:persistent=8).
-PERSISTENT_ROWS = 0
+#: Inductor's hint for them (compat.persistent_rows: the first RMSNorm, fused with the embedding's gather, which
+#: as a looped kernel took 3 us in some compiles and 8 in others; BENCHMARKS.md, small models); 0: Inductor's own
+#: rule (floor_matrix.py --variants ...:persistent=0).
+PERSISTENT_ROWS = 8
 
 
 class _Backend:
