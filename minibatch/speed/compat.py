@@ -88,8 +88,9 @@ def persistent_rows(rows: int):
     `InductorChoices.should_use_persistent_reduction`; Inductor documents subclassing InductorChoices and
     installing it with `V.set_choices_handler` (a context manager, per thread) as its way to change such
     heuristics. On 2.11 and 2.13 the method is a staticmethod taking (features, cooperative_reduction),
-    features carrying the kernel's `numel` (rows) and `reduction_numel` as sympy expressions. Inductor's cache
-    of compiled graphs is off inside: its key does not hold the handler.
+    features carrying the kernel's `numel` (rows) and `reduction_numel` as sympy expressions. The key of
+    Inductor's cache of compiled graphs does not hold the handler: timing the rule against Inductor's own in one
+    process needs that cache off for one of them (floor_matrix.py's `persistent=` variants turn it off).
     """
     import contextlib
 
@@ -110,10 +111,7 @@ def persistent_rows(rows: int):
             return sizes.statically_known_leq(features.numel, rows) and \
                 sizes.statically_known_leq(features.reduction_numel, 1024)
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(V.set_choices_handler(FewRows()))
-    stack.enter_context(config.patch(fx_graph_cache=False))  # (its key leaves the handler out: no cached compile
-    return stack                                              # made under the usual rule may stand in)
+    return V.set_choices_handler(FewRows())
 
 
 def raise_recompile_limit(at_least: int = 64) -> None:

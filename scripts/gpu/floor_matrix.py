@@ -137,8 +137,9 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
         modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
     if "per_sm" in inductor:
         modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
-    if "persistent" in inductor:
+    if "persistent" in inductor:  # (Inductor's graph cache off: its key leaves the rule out, compat.persistent_rows)
         modules[(siblings, "PERSISTENT_ROWS")] = int(inductor.pop("persistent"))
+        inductor["fx_graph_cache"] = False
     for name, attribute in (("min_split", "MIN_SPLIT_KEYS"), ("min_split_rows", "MIN_SPLIT_ROWS")):
         if name in inductor:
             modules[(triton_decode, attribute)] = int(inductor.pop(name))
