@@ -750,6 +750,16 @@ print("same cache, bit for bit:", all(torch.equal(a, b) for a, b in zip((*own_ca
 # (`fresh._shared_rotary`): make cos and sin buffers first, then ask every input for its traced order. At
 # 8 rows the step went from 1.315 to 1.303 ms <!-- from figures/data/headline.json: small_models_rotary.q06_b8_run6_rotary0_ms, small_models_rotary.q06_b8_run6_compile_ms --> on an H100; at 4 rows the change was within the noise.
 #
+# The same reading found two more. The rotary angles themselves come from a matrix product with one term
+# in its sum, positions times frequencies, which Inductor hands to cuBLAS as a kernel of its own that never
+# starts early; as a plain multiply (`fx_edits.outer_products`: one rounding either way, so the same bits)
+# it joins the kernel next to it, a few microseconds a step. And the first RMSNorm reads the token embedding
+# through a gather, which hides from Inductor that the row it sums is contiguous; so that one norm, alone of
+# all, was a looped kernel whose block sizes Inductor chose by timing while compiling: fast in one compile,
+# three times as slow in another. Told to keep a few rows in registers whatever it knows
+# (`compat.persistent_rows`), it is fast every time, and the 8-row step went from 1.296 to 1.292 ms <!-- from figures/data/headline.json: small_models_outer_splits.q06_b8_run5_compile_ms, small_models_outer_splits.q06_b8_run5_persistent_ms -->. A kernel whose speed depends on
+# a measurement taken while compiling is a source of noise between runs as much as a cost.
+#
 # Smaller gains came from the product kernel's own settings. With four rows it took longer per product
 # than with one; a likely reason is that every piece of K ends in a sum across the program's threads,
 # and with four rows that sum has four times as many outputs. Keeping the products apart in registers
