@@ -437,7 +437,7 @@ def small_models_rotary() -> dict:
 
 def small_models_outer_splits() -> dict:
     """The rotary angles' one-term product as a multiply (run1: outer, with per_sm=1 as sm1 and the default again)
-    and splits of at least 128 keys from 2 rows on, the default of run2 (split64: the old rule; split1: the rule
+    and splits of at least 128 keys from 2 rows on (4 since), the default of run2 (split64: the old rule; split1: the rule
     at 1 row too; the default again); the first norm as a persistent kernel (run5: persistent, then off by default);
     the shipped step with all three, timed twice (run7); one H100 each run."""
     return _by_command("gpu_small_models_outer_splits_2026-12-06")

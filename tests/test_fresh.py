@@ -212,15 +212,16 @@ def test_a_torch_without_the_layout_rules_parts_gets_a_warning_not_an_error(monk
 
 def test_fewer_programs_per_sm_split_the_keys_less(monkeypatch):
     """triton_decode.num_splits (plain arithmetic: no Triton needed) at 4 rows x 8 key/value heads x 512 keys:
-    4 splits for the shipped 2 programs per SM (9 wanted, but none shorter than 128 keys from 2 rows on), 8
+    4 splits for the shipped 2 programs per SM (9 wanted, but none shorter than 128 keys from 4 rows on), 8
     (one 64-key chunk each) under the old rule, fewer for fractions, none at 0.125 (PROGRAMS_PER_SM stands in for
-    a missing per_sm); one row keeps 64-key splits."""
+    a missing per_sm); 1 to 3 rows keep 64-key splits."""
     from minibatch.model import triton_decode
 
     cpu = torch.device("cpu")  # (counts 132 SMs, an H200's, when there is no GPU to ask)
     assert triton_decode.num_splits(4, 8, 512, cpu) == 4
     assert triton_decode.num_splits(8, 8, 512, cpu) == 4  # (5 wanted)
     assert triton_decode.num_splits(1, 8, 512, cpu) == 8
+    assert triton_decode.num_splits(2, 8, 512, cpu) == 8  # (17 wanted)
     assert [triton_decode.num_splits(4, 8, 512, cpu, per_sm) for per_sm in (1, 0.5, 0.25, 0.125)] == [4, 3, 2, 1]
     assert triton_decode.num_splits(1, 8, 512, cpu, 0.125) == 2
     monkeypatch.setattr(triton_decode, "MIN_SPLIT_KEYS", 64)

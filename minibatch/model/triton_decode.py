@@ -30,7 +30,7 @@ small kernel combines them:
     M = max_s m_s        out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
-than one BLOCK_N chunk of keys (nor, from 2 rows on, than 128 keys: MIN_SPLIT_KEYS). On Hopper and later, inside compiled steps, both kernels are launched
+than one BLOCK_N chunk of keys (nor, from 4 rows on, than 128 keys: MIN_SPLIT_KEYS). On Hopper and later, inside compiled steps, both kernels are launched
 early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
 kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
 """
@@ -226,10 +226,11 @@ PROGRAMS_PER_SM = 2
 
 #: The fewest keys a split walks in a batch of at least MIN_SPLIT_ROWS rows (else one `block_n` chunk). In the
 #: 0.6B shape's compiled step at 4 rows x 512 keys, 4 splits of 128 keys beat the 8 of 64 that 2 programs per SM
-#: ask for, in each of three runs; at 8 rows 4 splits of 128 were already the fastest, 2 or 3 longer ones slower
-#: (BENCHMARKS.md, small models; floor_matrix.py --variants ...:min_split=64 times the old rule).
+#: ask for, in each of four runs; at 8 rows 4 splits of 128 were already the fastest, 2 or 3 longer ones slower
+#: (BENCHMARKS.md, small models; floor_matrix.py --variants ...:min_split=64 times the old rule). At 1 row the
+#: rule cost 4% (32 programs instead of 64 for 132 SMs); 2 and 3 rows, as few programs, keep 64-key splits.
 MIN_SPLIT_KEYS = 128
-MIN_SPLIT_ROWS = 2
+MIN_SPLIT_ROWS = 4
 
 
 def num_splits(rows: int, kv_heads: int, width: int, device: torch.device, per_sm: float | None = None,

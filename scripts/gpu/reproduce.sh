@@ -59,9 +59,9 @@
 #              fx_edits.OUTER) against the product kept (outer=0), and the default again; ~4 minutes; not in the
 #              default list
 #   splits     the 0.6B shape's compiled step at batches 1, 4 and 8 with the decode attention's splits no shorter
-#              than 128 keys from 2 rows on (the default: triton_decode.MIN_SPLIT_KEYS) against the old rule of one
-#              64-key chunk (min_split=64) and the rule at 1 row too (min_split_rows=1), and the default again;
-#              ~4 minutes; not in the default list
+#              than 128 keys at 4 rows and more (the default: triton_decode.MIN_SPLIT_KEYS, MIN_SPLIT_ROWS) against
+#              the old rule of one 64-key chunk (min_split=64) and the rule at 1 row too (min_split_rows=1), and the
+#              default again; ~4 minutes; not in the default list
 #   rotary     the 0.6B shape's compiled step at batches 4 and 8 with one rotary cos and sin for every layer (the
 #              default: model/fresh.py's operator with a layout rule of its own) against a copy computed per layer
 #              (rotary=0: fresh.ONE_ROTARY), and the default again; ~3 minutes; not in the default list
