@@ -436,10 +436,10 @@ def small_models_rotary() -> dict:
 
 
 def small_models_outer_splits() -> dict:
-    """The rotary angles' one-term product as a multiply (run1: outer, with per_sm=1 as sm1 and the default again)
-    and splits of at least 128 keys from 2 rows on (4 since), the default of run2 (split64: the old rule; split1: the rule
-    at 1 row too; the default again); the first norm as a persistent kernel (run5: persistent, then off by default);
-    the shipped step with all three, timed twice (run7); one H100 each run."""
+    """The rotary angles' one-term product as a multiply (run1: outer, with per_sm=1 as sm1 and the default again);
+    splits of at least 128 keys from 2 rows on (4 since), the default of run2 (split64: the old rule; split1: the
+    rule at 1 row too; the default again); the first norm as a persistent kernel (run5: persistent, then off by
+    default); the shipped step with all three, timed twice (run7); one H100 each run."""
     return _by_command("gpu_small_models_outer_splits_2026-12-06")
 
 
@@ -599,7 +599,8 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "small_models_rotary": [f"figures/data/runs/gpu_small_models_rotary_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b4_8", "4_floor_matrix_qwen3-0.6b-shape_b4_8",
                "6_floor_matrix_qwen3-0.6b-shape_b4_8")],
-           "small_models_outer_splits": [f"figures/data/runs/gpu_small_models_outer_splits_2026-12-06/{f}.json" for f in (
+           "small_models_outer_splits": [
+               f"figures/data/runs/gpu_small_models_outer_splits_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8",
                "5_floor_matrix_qwen3-0.6b-shape_b1_4_8", "7_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
 

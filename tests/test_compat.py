@@ -72,7 +72,8 @@ def test_persistent_rows_widens_inductors_rule_for_few_rows_only_inside():
     from torch._inductor.virtualized import V
 
     def features(rows, n, hint=ReductionHint.DEFAULT):
-        return SimpleNamespace(numel=sympy.Integer(rows), reduction_numel=sympy.Integer(n), get_reduction_hint=lambda: hint)
+        return SimpleNamespace(numel=sympy.Integer(rows), reduction_numel=sympy.Integer(n),
+                               get_reduction_hint=lambda: hint)
 
     with V.set_graph_handler(SimpleNamespace(sizevars=SizeVarAllocator())):
         assert not V.choices.should_use_persistent_reduction(features(4, 1024), False)

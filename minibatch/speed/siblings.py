@@ -183,8 +183,8 @@ PERSISTENT_ROWS = 8
 class _Backend:
     """`merge` (with `merging`), then skinny.route (with `skinny`; and then, with its ENABLED,
     gated.fuse), then wide_argmax.split (with its ENABLED), then fx_edits.outer_products (with
-    fx_edits.OUTER), then Inductor (with PERSISTENT_ROWS) with the options of torch.compile's `mode` and the config `patches`
-    ((name, value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into
+    fx_edits.OUTER), then Inductor (with PERSISTENT_ROWS) with the options of torch.compile's `mode` and
+    the config `patches` ((name, value) pairs). `merged`, `routed` and `argmaxes`: per compile, how many linear calls went into
     a sibling's, how many to the skinny kernel, and how many argmax calls over a vocabulary became two
     steps (wide_argmax.py)."""
 

@@ -69,7 +69,8 @@ from minibatch.core.scheduler import Scheduler  # noqa: E402
 from minibatch.core.slots import IOSlot, copy_in  # noqa: E402
 from minibatch.speed.compiled import CompiledStep  # noqa: E402
 from minibatch.model import fresh, triton_decode  # noqa: E402
-from minibatch.speed import compiled as compiled_module, early, fx_edits, gated, siblings, skinny, wide_argmax  # noqa: E402
+from minibatch.speed import (compiled as compiled_module, early, fx_edits, gated, siblings, skinny,  # noqa: E402
+                             wide_argmax)
 from minibatch.core.graphs import StepRunner
 
 BLOCK = 16
@@ -122,7 +123,8 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     per_sm=N (the decode attention's programs per SM when it splits keys: triton_decode.PROGRAMS_PER_SM),
     min_split=N (the fewest keys a split of it walks: triton_decode.MIN_SPLIT_KEYS; 64 is one chunk, the old rule),
     min_split_rows=N (from how many rows that holds: triton_decode.MIN_SPLIT_ROWS),
-    persistent=N (reductions of at most N rows as persistent kernels whatever their hint: siblings.PERSISTENT_ROWS, 8; 0: Inductor's rule),
+    persistent=N (reductions of at most N rows as persistent kernels whatever their hint: siblings.PERSISTENT_ROWS,
+    8; 0: Inductor's rule),
     attn=KEYSxWARPSxSTAGES (the decode attention's keys per loop step, warps and stages at every batch:
     triton_decode.SETTINGS),
     short_k=N (the widest product of K <= 1024 that goes to skinny.py's kernel at 1-4 rows, 0 for none: skinny.SHORT_K),

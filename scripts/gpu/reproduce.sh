@@ -158,8 +158,9 @@ for s in $sections; do
     outer) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
              --kernels top --variants "product:outer=0" "again:" > "$out/$s/floor_q06.log" 2>&1
            grep -A4 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
-    splits) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 --compile \
-              --kernels top --variants "split64:min_split=64" "split1:min_split_rows=1" "again:" > "$out/$s/floor_q06.log" 2>&1
+    splits) python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape --batches 1,4,8 --contexts 512 \
+              --compile --kernels top --variants "split64:min_split=64" "split1:min_split_rows=1" "again:" \
+              > "$out/$s/floor_q06.log" 2>&1
             grep -A5 "^ \+[148] \+512" "$out/$s/floor_q06.log" ;;
     combo) cache=$(mktemp -d)  # (Inductor's generated kernels: the sources of the step's one-per-step kernels kept)
            TORCHINDUCTOR_CACHE_DIR=$cache python3 scripts/gpu/floor_matrix.py "$out/$s" --model qwen3-0.6b-shape \
