@@ -31,8 +31,9 @@ small kernel combines them:
 
 `num_splits` picks the split count: enough programs to give every SM two, never a split shorter
 than one BLOCK_N chunk of keys (nor, from 4 rows on, than 128 keys: MIN_SPLIT_KEYS). On Hopper and
-later, inside compiled steps, both kernels are launched early (speed/early.py): the attention asks its rows' first cached keys and values into L2 while the
-kernel before it (which writes this step's query and new key) finishes, and reads them once it has.
+later, inside compiled steps, both kernels are launched early (speed/early.py): the attention asks its
+rows' first cached keys and values into L2 while the kernel before it (which writes this step's query
+and new key) finishes, and reads them once it has.
 """
 
 from __future__ import annotations

@@ -105,6 +105,10 @@ SWITCHES = {"early": (early, "ENABLED"), "argmax": (wide_argmax, "ENABLED"),
             "apart": (triton_decode, "NEW_KEY_APART"), "defer": (skinny, "DEFER"), "gated": (gated, "ENABLED"),
             "gated_rows": (gated, "MANY_ROWS"), "outer": (fx_edits, "OUTER"),
             "rotary": (fresh, "ONE_ROTARY")}
+#: a variant's numeric names for module settings, and the (module, attribute, type) each sets
+NUMBERS = {"short_k": (skinny, "SHORT_K", int), "per_sm": (triton_decode, "PROGRAMS_PER_SM", float),
+           "min_split": (triton_decode, "MIN_SPLIT_KEYS", int),
+           "min_split_rows": (triton_decode, "MIN_SPLIT_ROWS", int), "persistent": (siblings, "PERSISTENT_ROWS", int)}
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict]:
@@ -135,16 +139,10 @@ def parse_variant(spec: str) -> tuple[str, dict, dict]:
     modules = {target: bool(inductor.pop(name)) for name, target in SWITCHES.items() if name in inductor}
     if modules.get((fresh, "ENABLED")) is False:  # (fresh=0: not by the small models' rule either)
         modules[(fresh, "IN_SMALL_COMPILES")] = False
-    if "short_k" in inductor:
-        modules[(skinny, "SHORT_K")] = int(inductor.pop("short_k"))
-    if "per_sm" in inductor:
-        modules[(triton_decode, "PROGRAMS_PER_SM")] = float(inductor.pop("per_sm"))
     if "persistent" in inductor:  # (Inductor's graph cache off: its key leaves the rule out, compat.persistent_rows)
-        modules[(siblings, "PERSISTENT_ROWS")] = int(inductor.pop("persistent"))
         inductor["fx_graph_cache"] = False
-    for name, attribute in (("min_split", "MIN_SPLIT_KEYS"), ("min_split_rows", "MIN_SPLIT_ROWS")):
-        if name in inductor:
-            modules[(triton_decode, attribute)] = int(inductor.pop(name))
+    modules.update({(module, attribute): kind(inductor.pop(name))
+                    for name, (module, attribute, kind) in NUMBERS.items() if name in inductor})
     if "attn" in inductor:
         modules[(triton_decode, "SETTINGS")] = tuple(int(v) for v in str(inductor.pop("attn")).split("x"))
     if inductor.pop("skinny_timed", False):
