@@ -443,6 +443,21 @@ def small_models_outer_splits() -> dict:
     return _by_command("gpu_small_models_outer_splits_2026-12-06")
 
 
+
+def small_models_shipped() -> dict:
+    """The shipped small-model step in one run on an H100 (tree 42cbedb): the 0.6B (run3, its second process) and the
+    1B (l1b_...), with each shape's first call in seconds from its first process's log ({q06|l1b}_b{batch}_compile_s:
+    the 0.6B's JSON of that process was overwritten, its table kept only in the log)."""
+    run = "gpu_small_models_shipped_2026-12-06"
+    out = {**_by_command(run), **_l1b_paths(run, "2_floor_matrix_llama3-1b-shape_b1_4_8", ("compile",))}
+    logs = {"q06": "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "l1b": "2_floor_matrix_llama3-1b-shape_b1_4_8"}
+    for key, name in logs.items():
+        log = (DATA / "runs" / run / f"{name}.log").read_text()
+        for batch, s in re.findall(r"^ +(\d+) +512 .*\(compile: first call ([\d.]+) s\)", log, re.M):
+            out[f"{key}_b{batch}_compile_s"] = float(s)
+    return out
+
+
 def _by_command(folder: str) -> dict:
     """`_floor_paths` of a run folder whose files are numbered by the command that wrote them: keys ..._run{N}_..."""
     return _floor_paths(DATA / "runs" / folder, lambda f: "run" + f.stem.split("_")[0])
@@ -514,7 +529,7 @@ SECTIONS = {"decode_step": decode_step, "headline": headline, "vs_transformers":
             "small_models_attn": small_models_attn, "small_models_l2_bulk": small_models_l2_bulk,
             "small_models_levers": small_models_levers, "small_models_rotary": small_models_rotary,
             "small_models_outer_splits": small_models_outer_splits,
-            "small_models_target_h200": small_models_target_h200}
+            "small_models_target_h200": small_models_target_h200, "small_models_shipped": small_models_shipped}
 SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_bench_triton_2026-11-30.json",
                            "figures/data/gpu_bench_compile_2026-12-01.json",
                            "figures/data/runs/gpu_merged_projections_2026-12-01/bench_8b_b32_256.json"],
@@ -602,7 +617,10 @@ SOURCES = {"decode_step": ["figures/data/gpu_step_ab_8b.txt", "figures/data/gpu_
            "small_models_outer_splits": [
                f"figures/data/runs/gpu_small_models_outer_splits_2026-12-06/{f}.json" for f in (
                "1_floor_matrix_qwen3-0.6b-shape_b1_4_8", "2_floor_matrix_qwen3-0.6b-shape_b1_4_8",
-               "5_floor_matrix_qwen3-0.6b-shape_b1_4_8", "7_floor_matrix_qwen3-0.6b-shape_b1_4_8")]}
+               "5_floor_matrix_qwen3-0.6b-shape_b1_4_8", "7_floor_matrix_qwen3-0.6b-shape_b1_4_8")],
+           "small_models_shipped": [f"figures/data/runs/gpu_small_models_shipped_2026-12-06/{f}" for f in (
+               "1_floor_matrix_qwen3-0.6b-shape_b1_4_8.log", "2_floor_matrix_llama3-1b-shape_b1_4_8.log",
+               "2_floor_matrix_llama3-1b-shape_b1_4_8.json", "3_floor_matrix_qwen3-0.6b-shape_b1_4_8.json")]}
 
 
 def derive() -> dict:

@@ -966,8 +966,8 @@ else:
 # * A small model's step is bound by its count of kernels, not its bytes. A few-row product kernel of our
 #   own, early launches, combined kernels, a two-step argmax, the activation inside the gate/up product
 #   and the attention's neighbours inside its kernel took the 0.6B compiled step at batch 1 from 4.48x <!-- from figures/data/headline.json: small_models.q06_b1_cublas_x --> its
-#   floor (every product on cuBLAS, H200) to 2.29x <!-- from figures/data/headline.json: small_models_target.q06_b1_run1_compile_x --> on an H100 (2.37x and 2.38x <!-- from figures/data/headline.json: small_models_target.q06_b4_run1_compile_x, small_models_target.q06_b8_run1_compile_x --> at 4 and 8 rows); on the
-#   H200, with its lower floor, 2.90x <!-- from figures/data/headline.json: small_models_target_h200.q06_b1_run1_compile_x --> at one row, 3.03x <!-- from figures/data/headline.json: small_models_target_h200.q06_b4_run1_compile_x --> at 4 and 3.03x <!-- from figures/data/headline.json: small_models_target_h200.q06_b8_run1_compile_x --> at 8.
+#   floor (every product on cuBLAS, H200) to 2.26x <!-- from figures/data/headline.json: small_models_shipped.q06_b1_run3_compile_x --> on an H100 (2.34x and 2.33x <!-- from figures/data/headline.json: small_models_shipped.q06_b4_run3_compile_x, small_models_shipped.q06_b8_run3_compile_x --> at 4 and 8 rows); on the
+#   H200, with its lower floor and before the last four small cuts, 2.90x <!-- from figures/data/headline.json: small_models_target_h200.q06_b1_run1_compile_x --> at one row, 3.03x <!-- from figures/data/headline.json: small_models_target_h200.q06_b4_run1_compile_x --> at 4 and 3.03x <!-- from figures/data/headline.json: small_models_target_h200.q06_b8_run1_compile_x --> at 8.
 #   What is left is ~240 kernels a step, each a few microseconds long.
 # * With a scheduler that plans the same batches in both loops, asynchrony costs no step of time to
 #   first token; its known costs come with deeper pipelines and host-side features.
