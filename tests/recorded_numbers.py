@@ -443,7 +443,6 @@ def small_models_outer_splits() -> dict:
     return _by_command("gpu_small_models_outer_splits_2026-12-06")
 
 
-
 def small_models_shipped() -> dict:
     """The shipped small-model step in one run on an H100 (tree 42cbedb): the 0.6B (run3, its second process) and the
     1B (l1b_...), with each shape's first call in seconds from its first process's log ({q06|l1b}_b{batch}_compile_s:
